@@ -1,0 +1,134 @@
+"""Everything that depends on vLLM's version or platform lives here."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvconnector.config import ConfigError, ConnectorConfig
+from kvconnector.keys import Fingerprint
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvconnector.compat")
+
+
+def is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def attention_group(kv_cache_config: KVCacheConfig) -> tuple[list[str], AttentionSpec]:
+    """The single attention group kvconnector stores (layer names, spec)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
+        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+        raise ConfigError(
+            f"kvconnector stores models whose KV cache is one attention group; this model "
+            f"has {len(groups)} group(s) {kinds}")
+    return list(groups[0].layer_names), groups[0].kv_cache_spec
+
+
+def is_mla(spec: AttentionSpec) -> bool:
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return isinstance(spec, MLAAttentionSpec)
+
+
+def cpu_isa(vllm_config: VllmConfig, spec: AttentionSpec) -> str:
+    """The instruction-set packing the CPU attention kernels use for K pages."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(vllm_config.model_config.dtype, spec.block_size, spec.head_size,
+                         vllm_config.cache_config.cache_dtype)
+
+
+def kv_layout_name(vllm_config: VllmConfig, spec: AttentionSpec) -> str:
+    if is_cpu_platform():
+        return f"cpu-pages-{cpu_isa(vllm_config, spec)}"
+    return "mla" if is_mla(spec) else "chunk"
+
+
+def _model_config_digest(vllm_config: VllmConfig) -> str:
+    hf = vllm_config.model_config.hf_config.to_dict()
+    hf.pop("_name_or_path", None)
+    text = json.dumps(hf, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                config: ConnectorConfig) -> Fingerprint:
+    layer_names, spec = attention_group(kv_cache_config)
+    mc = vllm_config.model_config
+    return Fingerprint(
+        model=str(mc.model),
+        revision=str(mc.revision or ""),
+        model_config_digest=_model_config_digest(vllm_config),
+        dtype=str(spec.dtype).removeprefix("torch."),
+        kv_layout=kv_layout_name(vllm_config, spec),
+        block_size=spec.block_size,
+        num_layers=len(layer_names),
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_size,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        chunk_size=config.chunk_size,
+        namespace=config.namespace,
+    )
+
+
+def chunk_bytes(kv_cache_config: KVCacheConfig, config: ConnectorConfig) -> int:
+    """Bytes of one chunk on one rank; the same number in both processes."""
+    layer_names, spec = attention_group(kv_cache_config)
+    blocks = config.chunk_size // spec.block_size
+    return spec.real_page_size_bytes * len(layer_names) * blocks
+
+
+def tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def uncacheable_reason(request: Request) -> str | None:
+    """Why a request's KV must not be shared by token ids alone, if it must not."""
+    if request.lora_request is not None:
+        return "LoRA adapter"
+    if request.mm_features:
+        return "multimodal input"
+    if request.prompt_embeds is not None:
+        return "prompt embeddings"
+    if getattr(request, "pooling_params", None) is not None:
+        return "pooling request"
+    return None
+
+
+def request_block_ids(scheduler_output: SchedulerOutput, req_id: str) -> list[int] | None:
+    """Scheduler block ids of a request scheduled in this step (the one attention group)."""
+    state = scheduler_output.kv_connector_block_state
+    if state is None:
+        return None
+    groups = state.get_block_ids(req_id)
+    return list(groups[0]) if groups else None
+
+
+def kv_cache_dtype_is_fp8(vllm_config: VllmConfig) -> bool:
+    return str(vllm_config.cache_config.cache_dtype).startswith("fp8")
+
+
+def extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
+    return dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+
+
+def torch_dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

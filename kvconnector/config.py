@@ -1,0 +1,86 @@
+"""Connector settings read from ``kv_connector_extra_config``, checked at start-up."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+DEFAULT_CHUNK_SIZE = 256
+DEFAULT_MEMORY_CAPACITY = 2 << 30
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class ConfigError(ValueError):
+    """A ``kv_connector_extra_config`` entry is unknown or has a bad value."""
+
+
+def parse_size(key: str, value: Any) -> int:
+    """Bytes from an int or a string such as ``"512MiB"`` or ``"4GB"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size in bytes, got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str) and (m := _SIZE.match(value)) and m[2].lower() in _UNITS:
+        size = int(float(m[1]) * _UNITS[m[2].lower()])
+    else:
+        raise ConfigError(
+            f"{key}: expected a size such as 1073741824, '512MiB' or '4GB' "
+            f"(units: {', '.join(u for u in _UNITS if u)}), got {value!r}")
+    if size <= 0:
+        raise ConfigError(f"{key}: must be positive, got {value!r}")
+    return size
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Every knob kvconnector has. Each field is a key of ``kv_connector_extra_config``."""
+
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    """Tokens per stored chunk; a multiple of the engine's block size."""
+    memory_capacity: int = DEFAULT_MEMORY_CAPACITY
+    """Bytes of host memory for stored chunks (per worker), taken once at start-up."""
+    namespace: str = ""
+    """Extra key part: deployments with different namespaces never share chunks."""
+    save_decode_chunks: bool = True
+    """Also store chunks that contain generated tokens (multi-turn chat reuse)."""
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown kv_connector_extra_config key(s) {unknown}; "
+                f"valid keys: {sorted(known)}")
+        values: dict[str, Any] = {}
+        if "chunk_size" in extra:
+            v = extra["chunk_size"]
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"chunk_size: expected a positive int, got {v!r}")
+            values["chunk_size"] = v
+        if "memory_capacity" in extra:
+            values["memory_capacity"] = parse_size("memory_capacity", extra["memory_capacity"])
+        if "namespace" in extra:
+            v = extra["namespace"]
+            if not isinstance(v, str) or not re.fullmatch(r"[A-Za-z0-9_.-]*", v):
+                raise ConfigError(
+                    f"namespace: expected letters, digits, '_', '.' or '-', got {v!r}")
+            values["namespace"] = v
+        if "save_decode_chunks" in extra:
+            v = extra["save_decode_chunks"]
+            if not isinstance(v, bool):
+                raise ConfigError(f"save_decode_chunks: expected true or false, got {v!r}")
+            values["save_decode_chunks"] = v
+        return cls(**values)
+
+    def check_block_size(self, block_size: int) -> None:
+        if self.chunk_size % block_size:
+            valid = [block_size * k for k in (1, 2, 4, 8, 16) if block_size * k <= 4096]
+            raise ConfigError(
+                f"chunk_size={self.chunk_size} is not a multiple of the engine's "
+                f"block_size={block_size}; valid choices include {valid}")

@@ -1,0 +1,119 @@
+"""The vLLM hook: a ``KVConnectorBase_V1`` that routes each call to the half for its process."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from kvconnector import compat
+from kvconnector.config import ConnectorConfig
+from kvconnector.metadata import StepPlan
+from kvconnector.scheduler import SchedulerHalf
+from kvconnector.stats import TransferStats
+from kvconnector.worker import WorkerHalf
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvconnector")
+
+
+class KVConnector(KVConnectorBase_V1):
+    """Stores full chunks of computed KV in host memory and loads shared prefixes back.
+
+    Not ``SupportsHMA``: vLLM then runs without its hybrid KV cache manager, so every layer
+    shares one block table and one chunk can carry all layers.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.config = ConnectorConfig.from_extra_config(compat.extra_config(vllm_config))
+        self._scheduler: SchedulerHalf | None = None
+        self._worker: WorkerHalf | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerHalf(self.config, vllm_config, kv_cache_config)
+        else:
+            self._worker = WorkerHalf(self.config, vllm_config, kv_cache_config)
+
+    @property
+    def worker(self) -> WorkerHalf:
+        assert self._worker is not None, "worker-side call on the scheduler connector"
+        return self._worker
+
+    @property
+    def scheduler(self) -> SchedulerHalf:
+        assert self._scheduler is not None, "scheduler-side call on a worker connector"
+        return self._scheduler
+
+    # ---- worker side ----
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        plan = self._get_connector_metadata()
+        assert isinstance(plan, StepPlan)
+        if plan.loads:
+            self.worker.load(plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # every layer of a chunk is copied at once in wait_for_save
+
+    def wait_for_save(self) -> None:
+        plan = self._get_connector_metadata()
+        assert isinstance(plan, StepPlan)
+        if plan.saves:
+            self.worker.save(plan)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.take_report()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        half = self._worker or self._scheduler
+        assert half is not None
+        return half.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return TransferStats(data) if data is not None else TransferStats()
+
+    # ---- scheduler side ----
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request)

@@ -1,0 +1,1 @@
+"""Paged blocks <-> chunk copies. ``reference`` is plain torch and is the ground truth."""

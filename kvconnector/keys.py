@@ -1,0 +1,77 @@
+"""Chunk keys: a hash chain over token ids, bound to what defines the stored bytes.
+
+blake2b over explicit little-endian bytes, so every process on every host computes the
+same keys with no seed (Python's ``hash()`` would need a shared PYTHONHASHSEED).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import msgpack
+import numpy as np
+
+FORMAT_VERSION = 1
+HASH_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Everything that decides the bytes of a stored chunk except its tokens."""
+
+    model: str
+    revision: str
+    model_config_digest: str
+    dtype: str
+    kv_layout: str  # "chunk" (the LMCache layout), "mla", or "cpu-pages-<isa>"
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    tp_size: int
+    chunk_size: int
+    namespace: str
+    format_version: int = FORMAT_VERSION
+
+    def digest(self) -> bytes:
+        packed = msgpack.packb(sorted(asdict(self).items()), use_bin_type=True)
+        return hashlib.blake2b(packed, digest_size=HASH_BYTES).digest()
+
+
+@dataclass(frozen=True, order=True)
+class ChunkKey:
+    """One rank's stored chunk: the fingerprint, the rank and the chained token hash."""
+
+    fingerprint: bytes
+    tp_rank: int
+    chunk_hash: bytes
+
+    def __str__(self) -> str:
+        return f"{self.fingerprint.hex()}:{self.tp_rank}:{self.chunk_hash.hex()}"
+
+
+def chunk_hashes(token_ids: Sequence[int], chunk_size: int, seed: bytes) -> list[bytes]:
+    """Chained hashes of each full chunk of ``token_ids``; chunk i depends on chunks 0..i."""
+    n_full = len(token_ids) // chunk_size
+    if n_full == 0:
+        return []
+    tokens = np.asarray(token_ids[: n_full * chunk_size], dtype="<i8").tobytes()
+    width = chunk_size * 8
+    out: list[bytes] = []
+    prev = seed
+    for i in range(n_full):
+        h = hashlib.blake2b(prev, digest_size=HASH_BYTES)
+        h.update(tokens[i * width:(i + 1) * width])
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+def request_seed(fingerprint: bytes, cache_salt: str | None) -> bytes:
+    """The chain's start: requests with different salts never share chunks."""
+    if not cache_salt:
+        return fingerprint
+    return hashlib.blake2b(fingerprint + b"salt:" + cache_salt.encode(),
+                           digest_size=HASH_BYTES).digest()

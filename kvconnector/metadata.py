@@ -1,0 +1,43 @@
+"""What crosses between the two processes each step (both sides must pickle)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass
+class ChunkTransfer:
+    """Move one chunk between a memory slot and the request's blocks.
+
+    ``block_ids`` are scheduler block ids, one per block of the chunk; -1 marks a block
+    to leave alone (on a load: one vLLM already has from its own prefix cache).
+    """
+
+    req_id: str
+    chunk_hash: bytes
+    slot: int
+    block_ids: list[int]
+
+
+@dataclass
+class StepPlan(KVConnectorMetadata):
+    """Scheduler -> workers: this step's loads (before the forward) and saves (after)."""
+
+    loads: list[ChunkTransfer] = field(default_factory=list)
+    saves: list[ChunkTransfer] = field(default_factory=list)
+
+
+@dataclass
+class WorkerReport(KVConnectorWorkerMetadata):
+    """Workers -> scheduler: chunks that proved unusable, to be forgotten."""
+
+    bad_chunks: set[bytes] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
+        assert isinstance(other, WorkerReport)
+        return WorkerReport(self.bad_chunks | other.bad_chunks)

@@ -1,0 +1,158 @@
+"""Scheduler half: how much of a prompt the store holds, and which chunks move this step."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvconnector import compat
+from kvconnector.config import ConnectorConfig
+from kvconnector.keys import chunk_hashes, request_seed
+from kvconnector.metadata import ChunkTransfer, StepPlan, WorkerReport
+from kvconnector.stats import TransferStats
+from kvconnector.store import MemoryIndex
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvconnector.scheduler")
+
+MISSING_SLOT = -1  # a load the worker must report as failed
+
+
+@dataclass
+class RequestState:
+    request: Request
+    seed: bytes
+    skip_reason: str | None
+    hashes: list[bytes] = field(default_factory=list)  # chained, one per full chunk
+    stored: int = 0  # leading chunks already saved or found in the store
+
+
+class SchedulerHalf:
+    def __init__(self, config: ConnectorConfig, vllm_config: VllmConfig,
+                 kv_cache_config: KVCacheConfig) -> None:
+        _, spec = compat.attention_group(kv_cache_config)
+        config.check_block_size(spec.block_size)
+        self.config = config
+        self.block_size = spec.block_size
+        self.blocks_per_chunk = config.chunk_size // spec.block_size
+        self.fingerprint = compat.fingerprint(vllm_config, kv_cache_config, config).digest()
+        self.index = MemoryIndex(config.memory_capacity // compat.chunk_bytes(kv_cache_config,
+                                                                              config))
+        self.stats = TransferStats()
+        self._requests: dict[str, RequestState] = {}
+        self._lookup_start: dict[str, int] = {}
+        self._loads: list[ChunkTransfer] = []
+        self._evictions_reported = 0
+
+    def _state(self, request: Request) -> RequestState:
+        st = self._requests.get(request.request_id)
+        if st is None:
+            reason = compat.uncacheable_reason(request)
+            if reason:
+                logger.debug("kvconnector: not caching request %s (%s)",
+                             request.request_id, reason)
+            st = RequestState(request, request_seed(self.fingerprint, request.cache_salt), reason)
+            self._requests[request.request_id] = st
+        return st
+
+    def _hashes(self, st: RequestState, num_tokens: int) -> list[bytes]:
+        """The request's chunk hashes covering its first ``num_tokens`` tokens."""
+        have, want = len(st.hashes), num_tokens // self.config.chunk_size
+        if want > have:
+            c = self.config.chunk_size
+            tokens = st.request.all_token_ids[have * c: want * c]
+            st.hashes.extend(chunk_hashes(tokens, c, st.hashes[-1] if have else st.seed))
+        return st.hashes[:want]
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._state(request)
+        if st.skip_reason:
+            return 0, False
+        stored = self.index.count_prefix(self._hashes(st, request.num_tokens))
+        # A synchronous load must leave at least one token for the forward pass.
+        last_full_block = (request.num_tokens - 1) // self.block_size * self.block_size
+        hit = min(stored * self.config.chunk_size, last_full_block)
+        self._lookup_start[request.request_id] = num_computed_tokens
+        return max(0, hit - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        start = self._lookup_start.pop(request.request_id, None)
+        if num_external_tokens == 0 or start is None:
+            return
+        st = self._requests[request.request_id]
+        end = start + num_external_tokens
+        block_ids = blocks.get_block_ids()[0]
+        c, bs = self.config.chunk_size, self.block_size
+        for ci in range(start // c, -(-end // c)):
+            h = st.hashes[ci]
+            slot = self.index.use(h) if h in self.index else MISSING_SLOT
+            ids = []
+            for j in range(self.blocks_per_chunk):
+                tok = ci * c + j * bs
+                ids.append(block_ids[tok // bs] if start <= tok < end else -1)
+            self._loads.append(ChunkTransfer(request.request_id, h, slot, ids))
+        self.stats.add(hit_tokens=num_external_tokens)
+
+    def build_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
+        plan = StepPlan(loads=self._loads)
+        self._loads = []
+        c = self.config.chunk_size
+        for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
+            st = self._requests.get(req_id)
+            if st is None or st.skip_reason:
+                continue
+            req = st.request
+            done_after_step = min(req.num_computed_tokens + n_scheduled, req.num_tokens)
+            if not self.config.save_decode_chunks:
+                done_after_step = min(done_after_step, req.num_prompt_tokens)
+            n_full = done_after_step // c
+            if n_full <= st.stored:
+                continue
+            block_ids = compat.request_block_ids(scheduler_output, req_id)
+            if block_ids is None:
+                continue
+            hashes = self._hashes(st, n_full * c)
+            for ci in range(st.stored, n_full):
+                h = hashes[ci]
+                if h in self.index:
+                    self.index.touch(h)
+                    continue
+                slot = self.index.allocate(h)
+                if slot is None:
+                    break
+                blocks = block_ids[ci * self.blocks_per_chunk:(ci + 1) * self.blocks_per_chunk]
+                plan.saves.append(ChunkTransfer(req_id, h, slot, list(blocks)))
+            st.stored = n_full
+        self.index.unpin_all()
+        return plan
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        report = output.kv_connector_worker_meta
+        if isinstance(report, WorkerReport):
+            for h in report.bad_chunks:
+                self.index.drop(h)
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        self._lookup_start.pop(request.request_id, None)
+        return False, None
+
+    def take_stats(self) -> TransferStats | None:
+        new_evictions = self.index.evictions - self._evictions_reported
+        if new_evictions:
+            self.stats.add(evictions=new_evictions)
+            self._evictions_reported = self.index.evictions
+        if self.stats.is_empty():
+            return None
+        stats, self.stats = self.stats, TransferStats()
+        return stats

@@ -1,0 +1,154 @@
+"""Host-memory tier: a fixed pool of chunk slots, LRU over chunk hashes."""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvconnector.keys import ChunkKey
+
+logger = logging.getLogger("kvconnector.store.memory")
+
+
+class ChunkCorrupt(RuntimeError):
+    """A stored chunk failed its key or checksum check; it must not be used."""
+
+
+class MemoryIndex:
+    """Scheduler-side map of chunk hash -> slot, with LRU eviction.
+
+    The scheduler owns placement so that both processes agree on it without shared memory:
+    a chunk is listed from the step its save is planned, and a worker executes its steps in
+    order, so any later load finds the bytes in place. Slots of loads planned in the
+    current step are pinned until the step's metadata is built.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots <= 0:
+            raise ValueError("the memory store holds no chunk: raise memory_capacity")
+        self.num_slots = num_slots
+        self._slots: OrderedDict[bytes, int] = OrderedDict()  # LRU first
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._pinned: set[int] = set()
+        self.evictions = 0
+        self.hits = 0
+        self.lookups = 0
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, chunk_hash: bytes) -> bool:
+        return chunk_hash in self._slots
+
+    def count_prefix(self, hashes: Sequence[bytes]) -> int:
+        """How many leading chunks are stored. No side effects (vLLM may ask repeatedly)."""
+        n = 0
+        for h in hashes:
+            if h not in self._slots:
+                break
+            n += 1
+        return n
+
+    def slot_of(self, chunk_hash: bytes) -> int | None:
+        return self._slots.get(chunk_hash)
+
+    def use(self, chunk_hash: bytes) -> int:
+        """Mark a chunk as read now: most recently used, pinned for this step."""
+        slot = self._slots[chunk_hash]
+        self._slots.move_to_end(chunk_hash)
+        self._pinned.add(slot)
+        self.hits += 1
+        return slot
+
+    def touch(self, chunk_hash: bytes) -> None:
+        self._slots.move_to_end(chunk_hash)
+
+    def allocate(self, chunk_hash: bytes) -> int | None:
+        """A slot for a new chunk, evicting the least recently used unpinned one."""
+        if chunk_hash in self._slots:
+            raise KeyError("chunk already stored")
+        if self._free:
+            slot = self._free.pop()
+        else:
+            victim = next((h for h, s in self._slots.items() if s not in self._pinned), None)
+            if victim is None:
+                return None
+            slot = self._slots.pop(victim)
+            self.evictions += 1
+        self._slots[chunk_hash] = slot
+        return slot
+
+    def drop(self, chunk_hash: bytes) -> None:
+        slot = self._slots.pop(chunk_hash, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def unpin_all(self) -> None:
+        self._pinned.clear()
+
+
+@dataclass(frozen=True)
+class SlotHeader:
+    key: ChunkKey
+    checksum: int
+
+
+def checksum(data: torch.Tensor) -> int:
+    return zlib.crc32(data.view(torch.uint8).numpy())
+
+
+class SlotPool:
+    """Worker-side bytes of the memory tier: one allocation of ``num_slots`` chunks.
+
+    Pinned when CUDA is present (fast, asynchronous host copies). Every slot carries the
+    key it holds and a checksum of its bytes; ``read`` refuses a slot that does not match.
+    """
+
+    def __init__(self, num_slots: int, chunk_shape: Sequence[int], dtype: torch.dtype) -> None:
+        pin = torch.cuda.is_available()
+        self.chunk_shape = tuple(chunk_shape)
+        self.buffer = torch.empty((num_slots, *self.chunk_shape), dtype=dtype, pin_memory=pin)
+        self.chunk_bytes = self.buffer[0].numel() * self.buffer.element_size()
+        self.num_slots = num_slots
+        self._headers: list[SlotHeader | None] = [None] * num_slots
+        logger.info("kvconnector memory pool: %d slots x %.1f MiB (%s, pinned=%s)",
+                    num_slots, self.chunk_bytes / 2**20, dtype, pin)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.chunk_bytes
+
+    @property
+    def used_slots(self) -> int:
+        return sum(h is not None for h in self._headers)
+
+    def slot(self, slot: int) -> torch.Tensor:
+        return self.buffer[slot]
+
+    def begin_write(self, slot: int) -> torch.Tensor:
+        """The slot's buffer, invalidated until ``end_write`` seals it."""
+        self._headers[slot] = None
+        return self.buffer[slot]
+
+    def end_write(self, slot: int, key: ChunkKey) -> None:
+        self._headers[slot] = SlotHeader(key, checksum(self.buffer[slot]))
+
+    def read(self, slot: int, key: ChunkKey) -> torch.Tensor:
+        if not 0 <= slot < self.num_slots:
+            raise ChunkCorrupt(f"chunk {key} has no slot")
+        header = self._headers[slot]
+        if header is None or header.key != key:
+            raise ChunkCorrupt(f"slot {slot} does not hold chunk {key}")
+        data = self.buffer[slot]
+        if checksum(data) != header.checksum:
+            self._headers[slot] = None
+            raise ChunkCorrupt(f"checksum mismatch for chunk {key} in slot {slot}")
+        return data
+
+    def invalidate(self, slot: int) -> None:
+        self._headers[slot] = None

@@ -33,6 +33,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvconnector")
 
 
+def _log_like_vllm() -> None:
+    """Send our records wherever vLLM sends its own, at vLLM's level."""
+    vllm_logger = logging.getLogger("vllm")
+    if logger.handlers or not vllm_logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        logger.addHandler(handler)
+    logger.setLevel(vllm_logger.getEffectiveLevel())
+    logger.propagate = False
+
+
 class KVConnector(KVConnectorBase_V1):
     """Stores full chunks of computed KV in host memory and loads shared prefixes back.
 
@@ -43,6 +54,7 @@ class KVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_like_vllm()
         self.config = ConnectorConfig.from_extra_config(compat.extra_config(vllm_config))
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None

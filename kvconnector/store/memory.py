@@ -150,5 +150,11 @@ class SlotPool:
             raise ChunkCorrupt(f"checksum mismatch for chunk {key} in slot {slot}")
         return data
 
+    def slot_holding(self, key: ChunkKey) -> int | None:
+        for slot, header in enumerate(self._headers):
+            if header is not None and header.key == key:
+                return slot
+        return None
+
     def invalidate(self, slot: int) -> None:
         self._headers[slot] = None

@@ -1,0 +1,90 @@
+"""Runs a real vLLM engine (CPU build) through a list of steps; used by the engine tests.
+
+Usage: python tests/engine_runner.py SPEC.json OUT.json. Each engine lives in its own
+process, as vLLM expects (spawn, global connector state).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def connector_config(extra: dict, short_name: bool = False) -> dict:
+    cfg = {"kv_connector": "KVConnector", "kv_connector_module_path": "kvconnector.connector",
+           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+           "kv_connector_extra_config": extra}
+    if short_name:
+        cfg = {**cfg, "kv_connector": "kvconnector"}
+        del cfg["kv_connector_module_path"]
+    return cfg
+
+
+def _worker_totals(worker) -> dict:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return dict(get_kv_transfer_group().worker.totals.data)
+
+
+def _corrupt(worker, prompt: list[int], chunk: int, reseal: bool) -> bool:
+    """Overwrite one stored chunk with noise; ``reseal`` also fixes its checksum."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvconnector.keys import ChunkKey, chunk_hashes, request_seed
+
+    half = get_kv_transfer_group().worker
+    seed = request_seed(half.fingerprint, None)
+    h = chunk_hashes(prompt, half.config.chunk_size, seed)[chunk]
+    key = ChunkKey(half.fingerprint, half.tp_rank, h)
+    slot = half.pool.slot_holding(key)
+    if slot is None:
+        return False
+    data = half.pool.slot(slot)
+    gen = torch.Generator().manual_seed(1)
+    noise = torch.randn(data.shape, generator=gen).to(data.dtype) * 4
+    data.copy_(noise)
+    if reseal:
+        half.pool.end_write(slot, key)
+    return True
+
+
+def main(spec_path: str, out_path: str) -> None:
+    spec = json.load(open(spec_path))
+    from vllm import LLM, SamplingParams
+
+    kw = dict(model=spec["model"], dtype=spec.get("dtype", "float32"),
+              kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
+              enable_prefix_caching=spec.get("prefix_caching", False),
+              max_model_len=spec.get("max_model_len", 4096), enforce_eager=True, seed=0)
+    if spec.get("connector") is not None:
+        kw["kv_transfer_config"] = connector_config(spec["connector"])
+    llm = LLM(**kw)
+    results = []
+    for step in spec["steps"]:
+        op = step["op"]
+        if op == "generate":
+            sp = SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8),
+                                ignore_eos=True)
+            outs = []
+            for p in step["prompts"]:
+                o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
+                outs.append({"tokens": list(o.outputs[0].token_ids),
+                             "cached": o.num_cached_tokens})
+            results.append(outs)
+        elif op == "totals":
+            per_rank = llm.collective_rpc(_worker_totals)
+            results.append({k: sum(r[k] for r in per_rank) for k in per_rank[0]})
+        elif op == "corrupt":
+            results.append(llm.collective_rpc(
+                _corrupt, args=(step["prompt"], step["chunk"], step.get("reseal", False))))
+        else:
+            raise ValueError(f"unknown step {op}")
+    json.dump(results, open(out_path, "w"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -154,10 +154,12 @@ def _launch(layers: Sequence[torch.Tensor], layout: LayerLayout, block_ids: torc
     c, bpc = ids.shape
     k, _, n, h, d = layout.sizes
     addrs, align = _layer_addresses(layers, chunks.device)
+    if addrs.is_cuda:  # the cached table may be read from several streams
+        addrs.record_stream(torch.cuda.current_stream(addrs.device))
     bits = chunks.view(_AS_INT[chunks.element_size()])
-    tile = _TILE_BYTES // chunks.element_size()
+    tile = 1 << (max(1, _TILE_BYTES // chunks.element_size()).bit_length() - 1)  # power of 2
     block_d = min(triton.next_power_of_2(d), tile)
-    block_r = min(triton.next_power_of_2(n * h), max(1, tile // block_d))
+    block_r = min(triton.next_power_of_2(n * h), tile // block_d)
     d_tiles = triton.cdiv(d, block_d)
     grid = (c * bpc, len(layers) * k, triton.cdiv(n * h, block_r) * d_tiles)
     _copy_kernel[grid](

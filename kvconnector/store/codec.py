@@ -1,0 +1,201 @@
+"""The format of one chunk stored as one value in a remote key-value store (Redis).
+
+A value is::
+
+    b"KVC1" | header length (uint32, little-endian) | msgpack header | raw payload
+
+The header is a msgpack map with exactly these fields:
+
+    ``v``       format version (int, ``FORMAT_VERSION``)
+    ``key``     the chunk key string, ``str(ChunkKey)``: fingerprint hex, rank, chain hash hex
+    ``layout``  the layout name (str)
+    ``dtype``   the dtype name (str)
+    ``shape``   the chunk shape (list of non-negative ints)
+    ``nbytes``  the payload length in bytes (int)
+    ``crc32``   ``zlib.crc32`` of the payload (int; the memory tier's ``checksum`` value)
+
+The header goes first so that the payload can be sent as its own buffer, never copied into
+one joined value (``encode_header``), and so that a reader can check everything but the
+checksum before it reads the payload (``check_prefix``/``check_header``/``check_payload``,
+which ``parse`` chains). Nothing here unpickles: the header is msgpack with small limits.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+MAGIC = b"KVC1"
+FORMAT_VERSION = 1
+PREFIX = struct.Struct("<4sI")  # magic, header length
+PREFIX_LEN = PREFIX.size  # 8
+MAX_HEADER_LEN = 4096
+MAX_STR_LEN = 512
+MAX_DIMS = 8
+FIELDS = frozenset({"v", "key", "layout", "dtype", "shape", "nbytes", "crc32"})
+
+#: Every ``CorruptValue.reason``, in the order ``parse`` checks them.
+REASONS = ("too_short", "bad_magic", "header_too_long", "truncated", "header_unpack",
+           "header_fields", "version", "key", "layout", "dtype", "shape", "nbytes",
+           "too_large", "checksum")
+
+
+class CorruptValue(ValueError):
+    """A stored value that must not be used; ``reason`` is one of ``REASONS``."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class ExpectedChunk:
+    """What the reader expects under a key; a value that differs in anything is corrupt."""
+
+    key: str
+    layout: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _as_bytes_view(payload: Any) -> memoryview:
+    mv = payload if isinstance(payload, memoryview) else memoryview(payload)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")  # raises TypeError for non-contiguous buffers
+    return mv
+
+
+def checksum(payload: Any) -> int:
+    """``zlib.crc32`` of a buffer: the same value as ``kvconnector.store.memory.checksum``."""
+    return zlib.crc32(_as_bytes_view(payload))
+
+
+def encode_header(chunk: ExpectedChunk, payload: Any = None, *,
+                  crc32: int | None = None) -> bytes:
+    """The value's prefix (magic, header length, header) for ``payload``.
+
+    Pass ``crc32`` when the payload's checksum is already known (the memory tier keeps it);
+    otherwise it is computed here and ``payload`` is required. The payload itself is not
+    copied: send it as a separate buffer after the prefix.
+    """
+    if payload is not None:
+        nbytes = _as_bytes_view(payload).nbytes
+        if nbytes != chunk.nbytes:
+            raise ValueError(f"payload has {nbytes} bytes, chunk {chunk.key} expects "
+                             f"{chunk.nbytes}")
+    if crc32 is None:
+        if payload is None:
+            raise ValueError("encode_header needs the payload or its crc32")
+        crc32 = checksum(payload)
+    header = msgpack.packb({
+        "v": FORMAT_VERSION, "key": chunk.key, "layout": chunk.layout, "dtype": chunk.dtype,
+        "shape": [int(d) for d in chunk.shape], "nbytes": int(chunk.nbytes),
+        "crc32": int(crc32) & 0xFFFFFFFF,
+    }, use_bin_type=True)
+    if len(header) > MAX_HEADER_LEN:
+        raise ValueError(f"header of {len(header)} bytes exceeds {MAX_HEADER_LEN}")
+    return PREFIX.pack(MAGIC, len(header)) + header
+
+
+def encode(chunk: ExpectedChunk, payload: Any) -> bytes:
+    """A whole value as one bytes object (tests and tools; the store sends pieces)."""
+    return encode_header(chunk, payload) + bytes(_as_bytes_view(payload))
+
+
+def check_prefix(prefix: bytes | memoryview, value_len: int) -> int:
+    """Check the first ``PREFIX_LEN`` bytes of a value of ``value_len`` bytes.
+
+    Returns the header length. The limit is checked before anything is unpacked.
+    """
+    if value_len < PREFIX_LEN or len(prefix) < PREFIX_LEN:
+        raise CorruptValue("too_short", f"{value_len} bytes")
+    magic, header_len = PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise CorruptValue("bad_magic", repr(bytes(magic)))
+    if header_len > MAX_HEADER_LEN:
+        raise CorruptValue("header_too_long", f"{header_len} > {MAX_HEADER_LEN}")
+    if value_len < PREFIX_LEN + header_len:
+        raise CorruptValue("truncated", f"{value_len} bytes cannot hold a header of "
+                                        f"{header_len}")
+    return header_len
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int  # not bool
+
+
+_FIELD_TYPES = {
+    "v": _is_int, "nbytes": lambda x: _is_int(x) and x >= 0,
+    "crc32": lambda x: _is_int(x) and 0 <= x <= 0xFFFFFFFF,
+    "key": lambda x: isinstance(x, str), "layout": lambda x: isinstance(x, str),
+    "dtype": lambda x: isinstance(x, str),
+    "shape": lambda x: isinstance(x, list) and len(x) <= MAX_DIMS
+    and all(_is_int(d) and d >= 0 for d in x),
+}
+
+
+def check_header(header: bytes | memoryview, expected: ExpectedChunk) -> Mapping[str, Any]:
+    """Unpack a header with strict limits and compare it with what the reader expects."""
+    try:
+        fields = msgpack.unpackb(
+            header, raw=False, use_list=True, strict_map_key=True,
+            max_bin_len=0, max_ext_len=0, max_str_len=MAX_STR_LEN,
+            max_array_len=MAX_DIMS, max_map_len=len(FIELDS) + 1)
+    except Exception as e:  # msgpack raises several types (limits, format, extra data)
+        raise CorruptValue("header_unpack", f"{type(e).__name__}: {e}") from None
+    if not isinstance(fields, dict):
+        raise CorruptValue("header_fields", f"header is a {type(fields).__name__}")
+    names = set(fields)
+    if names != FIELDS:
+        raise CorruptValue("header_fields", f"missing {sorted(FIELDS - names)}, "
+                                            f"extra {sorted(map(str, names - FIELDS))}")
+    for name, ok in _FIELD_TYPES.items():
+        if not ok(fields[name]):
+            raise CorruptValue("header_fields", f"bad {name}: {fields[name]!r}")
+    if fields["v"] != FORMAT_VERSION:
+        raise CorruptValue("version", f"{fields['v']} != {FORMAT_VERSION}")
+    if fields["key"] != expected.key:
+        raise CorruptValue("key", f"value holds {fields['key']}, expected {expected.key}")
+    for name in ("layout", "dtype"):
+        if fields[name] != getattr(expected, name):
+            raise CorruptValue(name, f"{fields[name]} != {getattr(expected, name)}")
+    if tuple(fields["shape"]) != tuple(expected.shape):
+        raise CorruptValue("shape", f"{fields['shape']} != {list(expected.shape)}")
+    if fields["nbytes"] != expected.nbytes:
+        raise CorruptValue("nbytes", f"{fields['nbytes']} != {expected.nbytes}")
+    return fields
+
+
+def check_payload_len(header: Mapping[str, Any], payload_len: int) -> None:
+    if payload_len < header["nbytes"]:
+        raise CorruptValue("truncated", f"payload {payload_len} < {header['nbytes']} bytes")
+    if payload_len > header["nbytes"]:
+        raise CorruptValue("too_large", f"payload {payload_len} > {header['nbytes']} bytes")
+
+
+def check_payload(header: Mapping[str, Any], payload: memoryview) -> None:
+    check_payload_len(header, payload.nbytes)
+    crc = zlib.crc32(payload)
+    if crc != header["crc32"]:
+        raise CorruptValue("checksum", f"crc32 {crc:#010x} != {header['crc32']:#010x}")
+
+
+def parse(value: bytes | bytearray | memoryview, expected: ExpectedChunk) -> memoryview:
+    """Validate a whole value; return its payload as a view (no copy) or raise
+    ``CorruptValue``. Checks, in order: length, magic, header length limit, header
+    (unpack, fields, version, key, layout, dtype, shape, nbytes), payload length, checksum.
+    """
+    mv = _as_bytes_view(value)
+    header_len = check_prefix(mv[:PREFIX_LEN], mv.nbytes)
+    end = PREFIX_LEN + header_len
+    header = check_header(mv[PREFIX_LEN:end], expected)
+    payload = mv[end:]
+    check_payload(header, payload)
+    return payload

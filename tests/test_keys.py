@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvconnector.keys import ChunkKey, Fingerprint, chunk_hashes, request_seed
+
+FP = Fingerprint(model="m", revision="", model_config_digest="abc", dtype="float32",
+                 kv_layout="chunk", block_size=16, num_layers=2, num_kv_heads=2,
+                 head_size=32, tp_size=1, chunk_size=256, namespace="")
+TOKENS = list(range(1000))
+
+
+def test_chain_is_prefix_stable_and_diverges_after_a_change():
+    a = chunk_hashes(TOKENS, 256, FP.digest())
+    assert len(a) == 3  # the trailing partial chunk is never keyed
+    changed = TOKENS[:300] + [7] + TOKENS[301:]
+    b = chunk_hashes(changed, 256, FP.digest())
+    assert a[0] == b[0]
+    assert a[1] != b[1] and a[2] != b[2]  # chunk 2 depends on chunk 1 through the chain
+    assert chunk_hashes(TOKENS[:512], 256, FP.digest()) == a[:2]
+
+
+def test_keys_are_identical_in_other_processes_whatever_the_hash_seed():
+    code = ("from kvconnector.keys import chunk_hashes; from tests.test_keys import FP, TOKENS;"
+            "print(','.join(h.hex() for h in chunk_hashes(TOKENS, 256, FP.digest())))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, cwd=root, env={**os.environ, "PYTHONHASHSEED": seed,
+                                                      "PYTHONPATH": root}).stdout.strip()
+            for seed in ("1", "2", "random")}
+    local = ",".join(h.hex() for h in chunk_hashes(TOKENS, 256, FP.digest()))
+    assert outs == {local}
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(Fingerprint)])
+def test_every_fingerprint_field_changes_the_keys(field):
+    value = getattr(FP, field)
+    other = value + 1 if isinstance(value, int) else value + "x"
+    changed = dataclasses.replace(FP, **{field: other})
+    assert changed.digest() != FP.digest()
+    assert chunk_hashes(TOKENS, 256, changed.digest())[0] != chunk_hashes(TOKENS, 256,
+                                                                          FP.digest())[0]
+
+
+def test_rank_and_salt_separate_keys():
+    h = chunk_hashes(TOKENS, 256, FP.digest())[0]
+    assert str(ChunkKey(FP.digest(), 0, h)) != str(ChunkKey(FP.digest(), 1, h))
+    assert request_seed(FP.digest(), None) == FP.digest()
+    salted = request_seed(FP.digest(), "tenant-a")
+    assert salted not in (FP.digest(), request_seed(FP.digest(), "tenant-b"))

@@ -1,0 +1,105 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvconnector.keys import ChunkKey
+from kvconnector.store import ChunkCorrupt, MemoryIndex, SlotPool
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def test_lookup_has_no_side_effects_and_counts_the_leading_run():
+    idx = MemoryIndex(4)
+    for i in (0, 1, 3):
+        idx.allocate(h(i))
+    assert idx.count_prefix([h(0), h(1), h(2), h(3)]) == 2
+    assert idx.count_prefix([h(0), h(1), h(2), h(3)]) == 2
+    assert idx.count_prefix([h(9)]) == 0
+
+
+def test_lru_eviction_order_and_touch():
+    idx = MemoryIndex(3)
+    for i in range(3):
+        idx.allocate(h(i))
+    idx.touch(h(0))  # 1 is now the least recently used
+    idx.allocate(h(3))
+    assert h(1) not in idx and all(h(i) in idx for i in (0, 2, 3))
+    assert idx.evictions == 1
+
+
+def test_pinned_slots_survive_and_a_full_pinned_pool_refuses():
+    idx = MemoryIndex(2)
+    idx.allocate(h(0))
+    idx.allocate(h(1))
+    idx.use(h(0))
+    idx.use(h(1))
+    assert idx.allocate(h(2)) is None
+    idx.unpin_all()
+    assert idx.allocate(h(2)) is not None
+
+
+def test_capacity_is_never_exceeded_under_churn():
+    rng = random.Random(0)
+    idx = MemoryIndex(16)
+    live: dict[bytes, int] = {}
+    for step in range(5000):
+        k = h(rng.randrange(64))
+        if k in idx:
+            if rng.random() < 0.3:
+                idx.drop(k)
+            else:
+                idx.use(k)
+        else:
+            slot = idx.allocate(k)
+            assert slot is not None and 0 <= slot < 16
+        if step % 7 == 0:
+            idx.unpin_all()
+        assert len(idx) <= 16
+        live = {key: idx.slot_of(key) for key in map(h, range(64)) if key in idx}
+        assert len(set(live.values())) == len(live)  # no two chunks share a slot
+    assert idx.evictions > 0
+
+
+def test_empty_index_is_a_config_error():
+    with pytest.raises(ValueError, match="memory_capacity"):
+        MemoryIndex(0)
+
+
+def _key(i: int) -> ChunkKey:
+    return ChunkKey(b"f" * 16, 0, h(i))
+
+
+def test_pool_round_trip_and_checks():
+    pool = SlotPool(3, (2, 2, 8, 2, 4), torch.bfloat16)
+    assert pool.capacity_bytes == 3 * 2 * 2 * 8 * 2 * 4 * 2
+    assert pool.buffer.is_pinned() == torch.cuda.is_available()
+    buf = pool.begin_write(1)
+    buf.copy_(torch.randn(buf.shape).to(buf.dtype))
+    pool.end_write(1, _key(5))
+    assert torch.equal(pool.read(1, _key(5)), buf)
+    assert pool.slot_holding(_key(5)) == 1
+    with pytest.raises(ChunkCorrupt, match="does not hold"):
+        pool.read(1, _key(6))
+    with pytest.raises(ChunkCorrupt, match="does not hold"):
+        pool.read(0, _key(5))
+    with pytest.raises(ChunkCorrupt, match="no slot"):
+        pool.read(-1, _key(5))
+    buf.view(torch.uint8)[0, 0, 0, 0, 0] ^= 1  # one flipped bit
+    with pytest.raises(ChunkCorrupt, match="checksum"):
+        pool.read(1, _key(5))
+    with pytest.raises(ChunkCorrupt):  # a corrupt slot stays refused
+        pool.read(1, _key(5))
+
+
+def test_interrupted_write_is_never_readable():
+    pool = SlotPool(1, (4,), torch.float32)
+    pool.begin_write(0)
+    pool.end_write(0, _key(1))
+    pool.begin_write(0)  # a save that failed half-way never reaches end_write
+    with pytest.raises(ChunkCorrupt):
+        pool.read(0, _key(1))

@@ -61,7 +61,7 @@ def test_minus_one_is_zeros_on_gather_and_untouched_on_scatter():
     before = [t.clone() for t in case.layers]
     chunks.fill_(5.0)
     reference.scatter(chunks, layout, torch.tensor([[-1, -1]]), case.layers)
-    assert all(torch.equal(a, b) for a, b in zip(before, case.layers))
+    assert all(torch.equal(a, b) for a, b in zip(before, case.layers, strict=True))
 
 
 def test_layouts_are_read_from_strides():

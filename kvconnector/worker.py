@@ -8,9 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvconnector import compat
+from kvconnector import compat, kernels
 from kvconnector.config import ConnectorConfig
-from kvconnector.kernels import reference
 from kvconnector.keys import ChunkKey
 from kvconnector.layout import LayerLayout, LayoutError, describe_layers
 from kvconnector.metadata import ChunkTransfer, StepPlan, WorkerReport
@@ -57,6 +56,12 @@ class WorkerHalf:
         self._ratio = self.spec.block_size // kbs
         shape = (len(self.layers), *self.layout.chunk_shape(self.config.chunk_size // kbs))
         self.pool = SlotPool(self.num_slots, shape, self.layout.dtype)
+        self._host_transfer = None
+        if self.layers[0].is_cuda:
+            from kvconnector.kernels.host_transfer import HostTransfer
+
+            self._host_transfer = HostTransfer(self.layers, self.layout,
+                                               self.config.chunk_size // kbs, max_chunks=1)
         logger.info("kvconnector worker rank %d: %d layers, layout %s %s",
                     self.tp_rank, len(self.layers), self.layout.family, self.layout.sizes)
 
@@ -78,8 +83,7 @@ class WorkerHalf:
             start = time.perf_counter()
             try:
                 data = self.pool.read(t.slot, self._key(t))
-                reference.scatter(data[None], self.layout, self._kernel_block_ids(t.block_ids),
-                                  self.layers)
+                self._copy_in(data, self._kernel_block_ids(t.block_ids))
             except Exception as e:  # a bad chunk costs a recompute, never the request
                 if not isinstance(e, ChunkCorrupt):
                     logger.exception("kvconnector: loading chunk %s failed", self._key(t))
@@ -100,8 +104,7 @@ class WorkerHalf:
             start = time.perf_counter()
             try:
                 buf = self.pool.begin_write(t.slot)
-                reference.gather(self.layers, self.layout, self._kernel_block_ids(t.block_ids),
-                                 buf[None])
+                self._copy_out(self._kernel_block_ids(t.block_ids), buf)
                 self.pool.end_write(t.slot, self._key(t))
             except Exception:
                 logger.exception("kvconnector: saving chunk %s failed", self._key(t))
@@ -111,6 +114,21 @@ class WorkerHalf:
             self._count(saved_chunks=1, saved_tokens=self.config.chunk_size,
                         saved_bytes=self.pool.chunk_bytes,
                         save_seconds=time.perf_counter() - start)
+
+    def _copy_out(self, block_ids: torch.Tensor, slot: torch.Tensor) -> None:
+        """Blocks -> one host slot, complete on return."""
+        if self._host_transfer is None:
+            kernels.gather(self.layers, self.layout, block_ids, slot[None])
+        else:
+            self._host_transfer.save(block_ids, slot[None]).synchronize()
+
+    def _copy_in(self, slot: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """Host slot -> blocks, ordered before the compute stream's next work."""
+        if self._host_transfer is None:
+            kernels.scatter(slot[None], self.layout, block_ids, self.layers)
+        else:
+            done = self._host_transfer.load(slot[None], block_ids)
+            torch.cuda.current_stream(self.layers[0].device).wait_event(done)
 
     def _count(self, **counts: float) -> None:
         self.stats.add(**counts)

@@ -42,9 +42,10 @@ class HostTransfer:
         self.device = layers[0].device
         self.kernel_blocks_per_chunk = kernel_blocks_per_chunk
         self.chunk_shape = (len(layers), *layout.chunk_shape(kernel_blocks_per_chunk))
-        self.staging = torch.empty((max_chunks, *self.chunk_shape), dtype=layout.dtype,
-                                   device=self.device)
         self.stream = torch.cuda.Stream(device=self.device)
+        with torch.cuda.stream(self.stream):  # owned by the stream that uses it
+            self.staging = torch.empty((max_chunks, *self.chunk_shape), dtype=layout.dtype,
+                                       device=self.device)
 
     @property
     def max_chunks(self) -> int:

@@ -65,7 +65,8 @@ def _copy_kernel(addrs_ptr, chunk_ptr, ids_ptr, num_blocks, bpc,
     ch_off = rows[:, None] * D + cols[None, :]
     col_ok = (cols < D)[None, :]
     in_tile = (rows < N * H)[:, None] & col_ok
-    # A skipped block has no rows; an int limit avoids broadcasting a scalar mask.
+    # A skipped block has no rows. An int limit, not `mask & valid`: the CPU interpreter
+    # cannot combine a scalar mask with a tensor one.
     in_block = (rows < tl.where(valid, N * H, 0))[:, None] & col_ok
 
     if GATHER:

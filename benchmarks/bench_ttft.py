@@ -1,0 +1,114 @@
+"""TTFT against prompt length: no connector, connector miss, hit from memory (and Redis).
+
+    python benchmarks/bench_ttft.py                       # tiny Mistral on this machine
+    python benchmarks/bench_ttft.py --model mistralai/Mistral-7B-Instruct-v0.2 --redis-url redis://...
+
+TTFT is the latency of a one-token generation of a single request. Each length is measured
+``--repeats`` times on distinct prompts; the median is reported. Writes JSON and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+from pathlib import Path
+
+from common import (
+    add_model_args,
+    connector,
+    engine,
+    random_prompt,
+    resolve_model,
+    timed_generate,
+    write_results,
+)
+
+
+def measure(llm, prompts: list[list[int]]) -> tuple[float, list[int]]:
+    times, cached = [], []
+    for p in prompts:
+        secs, outs = timed_generate(llm, [p], max_tokens=1)
+        times.append(secs)
+        cached.append(outs[0].num_cached_tokens or 0)
+    return statistics.median(times), cached
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--lengths", default="512,1024,2048,4096,8192")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--plot", type=Path, default=None)
+    args = p.parse_args()
+    from tqdm import tqdm
+
+    model, vocab = resolve_model(args)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rng = random.Random(0)
+    prompts = {n: [random_prompt(rng, n, vocab) for _ in range(args.repeats)] for n in lengths}
+    max_len = max(lengths) + 64
+    results: dict[str, dict[int, float]] = {}
+    cached: dict[str, dict[int, list[int]]] = {}
+    warm = random_prompt(rng, 300, vocab)
+
+    with engine(model, args, None, max_len, enable_prefix_caching=False) as llm:
+        timed_generate(llm, [warm], 1)
+        results["no connector"] = {}
+        for n in tqdm(lengths, desc="no connector"):
+            results["no connector"][n], _ = measure(llm, prompts[n])
+
+    extra = {"memory_capacity": args.memory_capacity}
+    if args.redis_url:
+        extra["redis_url"] = args.redis_url
+    miss, hit = "connector miss", "hit from memory"
+    with engine(model, args, connector(extra), max_len, enable_prefix_caching=False) as llm:
+        timed_generate(llm, [warm], 1)
+        results[miss], results[hit], cached[hit] = {}, {}, {}
+        for n in tqdm(lengths, desc="connector"):
+            results[miss][n], _ = measure(llm, prompts[n])
+            results[hit][n], cached[hit][n] = measure(llm, prompts[n])
+    if args.redis_url:
+        # A fresh engine has an empty memory tier: its hits come from Redis.
+        hit = "hit from redis"
+        with engine(model, args, connector(extra), max_len, enable_prefix_caching=False) as llm:
+            timed_generate(llm, [warm], 1)
+            results[hit], cached[hit] = {}, {}
+            for n in tqdm(lengths, desc="redis hits"):
+                results[hit][n], cached[hit][n] = measure(llm, prompts[n])
+
+    print(f"\nTTFT (s), median of {args.repeats}, model {model}")
+    names = list(results)
+    print(f"{'tokens':>7} " + " ".join(f"{n:>16}" for n in names))
+    for n in lengths:
+        print(f"{n:>7} " + " ".join(f"{results[k][n]:>16.4f}" for k in names))
+    out = write_results(args.out, "ttft", {"model": model, "lengths": lengths,
+                                           "ttft_s": results, "cached_tokens": cached})
+    print(f"results: {out}")
+    plot = args.plot or out.with_suffix(".png")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for k in names:
+        ax.plot(lengths, [results[k][n] for n in lengths], marker="o", label=k)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title(f"TTFT vs prompt length ({Path(model).name})")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(plot, dpi=120)
+    print(f"plot: {plot}")
+
+
+if __name__ == "__main__":
+    main()

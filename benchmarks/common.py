@@ -1,0 +1,93 @@
+"""Shared pieces of the engine benchmarks: model choice, prompts, engines, output files."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import random
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def add_model_args(p) -> None:
+    p.add_argument("--model", help="model path or name (default: the tiny random Mistral)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="vLLM's KV budget (default 1 GiB for the tiny model)")
+    p.add_argument("--memory-capacity", default="2GiB", help="kvconnector host memory")
+    p.add_argument("--redis-url", default=None, help="also measure a Redis tier")
+    p.add_argument("--out", type=Path, default=None, help="JSON results file")
+
+
+def resolve_model(args) -> tuple[str, int]:
+    """Model path and a safe token-id range for synthetic prompts."""
+    if args.model is None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from kvconnector.tiny_model import build_tiny_mistral
+
+        if args.kv_cache_memory_bytes is None:
+            args.kv_cache_memory_bytes = 1 << 30
+        return str(build_tiny_mistral(ROOT / ".cache" / "tiny-mistral")), 400
+    from transformers import AutoConfig
+
+    return args.model, min(AutoConfig.from_pretrained(args.model).vocab_size, 30000)
+
+
+def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(10, vocab - 1) for _ in range(n)]
+
+
+def connector(extra: dict) -> dict:
+    return {"kv_connector": "kvconnector", "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+
+@contextmanager
+def engine(model: str, args, kv_transfer_config: dict | None, max_model_len: int, **kw):
+    from vllm import LLM
+
+    llm = LLM(model=model, dtype=args.dtype, max_model_len=max_model_len,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+              kv_transfer_config=kv_transfer_config, **kw)
+    try:
+        yield llm
+    finally:
+        del llm
+        gc.collect()
+
+
+def timed_generate(llm, prompts: list[list[int]], max_tokens: int):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return time.perf_counter() - start, outs
+
+
+def machine() -> dict:
+    import torch
+
+    info = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import vllm
+
+        info["vllm"] = vllm.__version__
+    except Exception:  # noqa: BLE001 - the record is best effort
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def write_results(path: Path | None, name: str, payload: dict) -> Path:
+    path = path or ROOT / "docs" / "results" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"benchmark": name, "machine": machine(), **payload}, indent=1))
+    return path

@@ -47,6 +47,15 @@ class ConnectorConfig:
     """Extra key part: deployments with different namespaces never share chunks."""
     save_decode_chunks: bool = True
     """Also store chunks that contain generated tokens (multi-turn chat reuse)."""
+    redis_url: str | None = None
+    """Redis behind the memory tier: redis://, rediss:// (TLS), unix://, redis+cluster://."""
+    redis_key_prefix: str = "kvc"
+    """Prefix of every Redis key, so deployments can share one Redis without mixing."""
+    redis_ttl_s: float | None = None
+    """Expiry of stored chunks in Redis; none by default (Redis's own eviction applies)."""
+    redis_lookup_budget_ms: float = 50.0
+    """Time the scheduler may spend asking Redis what it holds for one request; over it is
+    a miss."""
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -76,6 +85,26 @@ class ConnectorConfig:
             if not isinstance(v, bool):
                 raise ConfigError(f"save_decode_chunks: expected true or false, got {v!r}")
             values["save_decode_chunks"] = v
+        if extra.get("redis_url") is not None:
+            v = extra["redis_url"]
+            schemes = ("redis://", "rediss://", "unix://", "redis+cluster://",
+                       "rediss+cluster://")
+            if not isinstance(v, str) or not v.startswith(schemes):
+                raise ConfigError(f"redis_url: expected a URL starting with one of {schemes}")
+            values["redis_url"] = v
+        if "redis_key_prefix" in extra:
+            v = extra["redis_key_prefix"]
+            if not isinstance(v, str) or not re.fullmatch(r"[A-Za-z0-9_.:-]+", v):
+                raise ConfigError(
+                    f"redis_key_prefix: expected letters, digits, '_', '.', ':' or '-', "
+                    f"got {v!r}")
+            values["redis_key_prefix"] = v
+        for key in ("redis_ttl_s", "redis_lookup_budget_ms"):
+            if extra.get(key) is not None:
+                v = extra[key]
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                    raise ConfigError(f"{key}: expected a positive number, got {v!r}")
+                values[key] = float(v)
         return cls(**values)
 
     def check_block_size(self, block_size: int) -> None:

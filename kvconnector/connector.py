@@ -102,6 +102,10 @@ class KVConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker.take_report()
 
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         half = self._worker or self._scheduler
         assert half is not None

@@ -22,6 +22,7 @@ class ChunkTransfer:
     chunk_hash: bytes
     slot: int
     block_ids: list[int]
+    from_redis: bool = False  # a load: fetch into the slot from Redis first
 
 
 @dataclass

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 from kvconnector import compat
 from kvconnector.config import ConnectorConfig
-from kvconnector.keys import chunk_hashes, request_seed
+from kvconnector.keys import ChunkKey, chunk_hashes, request_seed
 from kvconnector.metadata import ChunkTransfer, StepPlan, WorkerReport
 from kvconnector.stats import TransferStats
-from kvconnector.store import MemoryIndex
+from kvconnector.store import MemoryIndex, open_redis
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -33,6 +33,8 @@ class RequestState:
     skip_reason: str | None
     hashes: list[bytes] = field(default_factory=list)  # chained, one per full chunk
     stored: int = 0  # leading chunks already saved or found in the store
+    # The last Redis answer: (first chunk asked, chunks asked) -> chunks found there.
+    redis_answer: tuple[int, int, int] | None = None
 
 
 class SchedulerHalf:
@@ -46,6 +48,8 @@ class SchedulerHalf:
         self.fingerprint = compat.fingerprint(vllm_config, kv_cache_config, config).digest()
         self.index = MemoryIndex(config.memory_capacity // compat.chunk_bytes(kv_cache_config,
                                                                               config))
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.redis = open_redis(config)
         self.stats = TransferStats()
         self._requests: dict[str, RequestState] = {}
         self._lookup_start: dict[str, int] = {}
@@ -77,12 +81,26 @@ class SchedulerHalf:
         st = self._state(request)
         if st.skip_reason:
             return 0, False
-        stored = self.index.count_prefix(self._hashes(st, request.num_tokens))
+        hashes = self._hashes(st, request.num_tokens)
+        stored = self.index.count_prefix(hashes)
+        if self.redis is not None and stored < len(hashes):
+            stored += self._redis_prefix(st, hashes, stored)
         # A synchronous load must leave at least one token for the forward pass.
         last_full_block = (request.num_tokens - 1) // self.block_size * self.block_size
         hit = min(stored * self.config.chunk_size, last_full_block)
         self._lookup_start[request.request_id] = num_computed_tokens
         return max(0, hit - num_computed_tokens), False
+
+    def _redis_prefix(self, st: RequestState, hashes: list[bytes], start: int) -> int:
+        """Chunks after ``start`` that every TP rank holds in Redis: one round trip per
+        request (vLLM may ask again for the same request; the answer is kept)."""
+        assert self.redis is not None
+        if st.redis_answer is None or st.redis_answer[:2] != (start, len(hashes)):
+            keys = [ChunkKey(self.fingerprint, rank, h)
+                    for h in hashes[start:] for rank in range(self.tp_size)]
+            found = self.redis.exists_prefix(keys, self.config.redis_lookup_budget_ms / 1000)
+            st.redis_answer = (start, len(hashes), found // self.tp_size)
+        return st.redis_answer[2]
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -95,12 +113,20 @@ class SchedulerHalf:
         c, bs = self.config.chunk_size, self.block_size
         for ci in range(start // c, -(-end // c)):
             h = st.hashes[ci]
-            slot = self.index.use(h) if h in self.index else MISSING_SLOT
+            from_redis = h not in self.index
+            if from_redis:  # promoted into memory: the worker fetches it into this slot
+                slot = self.index.allocate(h)
+                if slot is None:
+                    slot = MISSING_SLOT
+                else:
+                    self.index.use(h)
+            else:
+                slot = self.index.use(h)
             ids = []
             for j in range(self.blocks_per_chunk):
                 tok = ci * c + j * bs
                 ids.append(block_ids[tok // bs] if start <= tok < end else -1)
-            self._loads.append(ChunkTransfer(request.request_id, h, slot, ids))
+            self._loads.append(ChunkTransfer(request.request_id, h, slot, ids, from_redis))
         self.stats.add(hit_tokens=num_external_tokens)
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:

@@ -10,7 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 COUNTERS = (
     "loaded_chunks", "loaded_tokens", "loaded_bytes", "load_seconds", "load_errors",
     "saved_chunks", "saved_tokens", "saved_bytes", "save_seconds", "save_errors",
-    "hit_tokens", "evictions",
+    "hit_tokens", "evictions", "redis_loaded_chunks", "redis_misses",
 )
 
 

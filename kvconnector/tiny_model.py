@@ -27,7 +27,7 @@ def build_tiny_mistral(path: str | os.PathLike, *, num_layers: int = 2, vocab_si
     """Write config, weights and tokenizer to ``path`` (reused if already complete)."""
     path = Path(path)
     marker = path / "kvconnector-tiny.json"
-    want = {"num_layers": num_layers, "vocab_size": vocab_size, "seed": seed, "v": 1}
+    want = {"num_layers": num_layers, "vocab_size": vocab_size, "seed": seed, "v": 2}
     if marker.exists() and json.loads(marker.read_text()) == want:
         return path
     import torch
@@ -51,7 +51,7 @@ def build_tiny_mistral(path: str | os.PathLike, *, num_layers: int = 2, vocab_si
     cfg = MistralConfig(
         vocab_size=len(fast), hidden_size=256, intermediate_size=512,
         num_hidden_layers=num_layers, num_attention_heads=8, num_key_value_heads=2,
-        head_dim=32, max_position_embeddings=8192, sliding_window=None,
+        head_dim=32, max_position_embeddings=16384, sliding_window=None,
         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id, tie_word_embeddings=False, torch_dtype="float32")
     torch.manual_seed(seed)

@@ -14,7 +14,8 @@ from kvconnector.keys import ChunkKey
 from kvconnector.layout import LayerLayout, LayoutError, describe_layers
 from kvconnector.metadata import ChunkTransfer, StepPlan, WorkerReport
 from kvconnector.stats import TransferStats
-from kvconnector.store import ChunkCorrupt, SlotPool
+from kvconnector.store import ChunkCorrupt, SlotPool, open_redis
+from kvconnector.store.tiering import RedisTier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -39,6 +40,7 @@ class WorkerHalf:
         self.layout: LayerLayout | None = None
         self.pool: SlotPool | None = None
         self._ratio = 1
+        self.redis_tier: RedisTier | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [n for n in self.layer_names if n not in kv_caches]
@@ -56,6 +58,9 @@ class WorkerHalf:
         self._ratio = self.spec.block_size // kbs
         shape = (len(self.layers), *self.layout.chunk_shape(self.config.chunk_size // kbs))
         self.pool = SlotPool(self.num_slots, shape, self.layout.dtype)
+        redis = open_redis(self.config)
+        if redis is not None:
+            self.redis_tier = RedisTier(redis, self.pool, self.layout.family)
         self._host_transfer = None
         if self.layers[0].is_cuda:
             from kvconnector.kernels.host_transfer import HostTransfer
@@ -79,6 +84,12 @@ class WorkerHalf:
 
     def load(self, plan: StepPlan) -> None:
         assert self.pool is not None and self.layout is not None
+        wanted = [(t.slot, self._key(t)) for t in plan.loads if t.from_redis and t.slot >= 0]
+        if wanted and self.redis_tier is not None:
+            start = time.perf_counter()
+            n = self.redis_tier.fetch(wanted)
+            self._count(redis_loaded_chunks=n, redis_misses=len(wanted) - n,
+                        load_seconds=time.perf_counter() - start)
         for t in plan.loads:
             start = time.perf_counter()
             try:
@@ -106,6 +117,8 @@ class WorkerHalf:
                 buf = self.pool.begin_write(t.slot)
                 self._copy_out(self._kernel_block_ids(t.block_ids), buf)
                 self.pool.end_write(t.slot, self._key(t))
+                if self.redis_tier is not None:
+                    self.redis_tier.offload(t.slot, self._key(t))
             except Exception:
                 logger.exception("kvconnector: saving chunk %s failed", self._key(t))
                 self._bad_chunks.add(t.chunk_hash)
@@ -143,6 +156,11 @@ class WorkerHalf:
             return None
         report, self._bad_chunks = WorkerReport(self._bad_chunks), set()
         return report
+
+    def shutdown(self) -> None:
+        if self.redis_tier is not None:
+            self.redis_tier.flush()
+            self.redis_tier.close()
 
     def take_stats(self) -> TransferStats | None:
         if self.stats.is_empty():

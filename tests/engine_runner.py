@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -52,7 +53,42 @@ def _corrupt(worker, prompt: list[int], chunk: int, reseal: bool) -> bool:
     return True
 
 
+def _flush_redis(worker) -> bool:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    tier = get_kv_transfer_group().worker.redis_tier
+    if tier is not None:
+        tier.flush()
+    return tier is not None
+
+
+def _redis_stats(worker) -> dict:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().worker.redis_tier.redis.snapshot()
+
+
 def main(spec_path: str, out_path: str) -> None:
+    try:
+        _main(spec_path, out_path)
+    finally:
+        for server in _SERVERS.values():
+            server.stop()
+
+
+_SERVERS: dict = {}
+
+
+def _redis_server(port: int, action: str) -> bool:
+    """Start, kill or restart a redis-server this process owns (fault tests)."""
+    from tests.redis_server import RedisServer
+
+    server = _SERVERS.setdefault(port, RedisServer(port=port))
+    {"start": server.start, "kill": server.kill, "restart": server.restart}[action]()
+    return True
+
+
+def _main(spec_path: str, out_path: str) -> None:
     spec = json.load(open(spec_path))
     from vllm import LLM, SamplingParams
 
@@ -81,6 +117,15 @@ def main(spec_path: str, out_path: str) -> None:
         elif op == "corrupt":
             results.append(llm.collective_rpc(
                 _corrupt, args=(step["prompt"], step["chunk"], step.get("reseal", False))))
+        elif op == "flush":
+            results.append(llm.collective_rpc(_flush_redis))
+        elif op == "redis_stats":
+            results.append(llm.collective_rpc(_redis_stats)[0])
+        elif op == "redis_server":
+            results.append(_redis_server(step["port"], step["action"]))
+        elif op == "sleep":
+            time.sleep(step["seconds"])
+            results.append(True)
         else:
             raise ValueError(f"unknown step {op}")
     json.dump(results, open(out_path, "w"))

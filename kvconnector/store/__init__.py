@@ -1,7 +1,26 @@
 """Where chunks live. The memory tier is split across the two vLLM processes:
 ``MemoryIndex`` (scheduler) decides which chunk sits in which slot and what to evict;
-``SlotPool`` (each worker) holds the bytes and checks them on every read."""
+``SlotPool`` (each worker) holds the bytes and checks them on every read. Redis, when
+configured, sits behind the memory tier and is shared by every engine that points at it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from kvconnector.store.memory import ChunkCorrupt, MemoryIndex, SlotPool
 
-__all__ = ["ChunkCorrupt", "MemoryIndex", "SlotPool"]
+if TYPE_CHECKING:
+    from kvconnector.config import ConnectorConfig
+    from kvconnector.store.redis_store import RedisStore
+
+__all__ = ["ChunkCorrupt", "MemoryIndex", "SlotPool", "open_redis"]
+
+
+def open_redis(config: ConnectorConfig) -> RedisStore | None:
+    """The Redis tier of this process, if configured (connects lazily, never raises later)."""
+    if not config.redis_url:
+        return None
+    from kvconnector.store.redis_store import RedisStore
+
+    return RedisStore.from_url(config.redis_url, key_prefix=config.redis_key_prefix,
+                               ttl_s=config.redis_ttl_s)

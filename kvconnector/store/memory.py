@@ -130,13 +130,21 @@ class SlotPool:
     def slot(self, slot: int) -> torch.Tensor:
         return self.buffer[slot]
 
+    def slot_bytes(self, slot: int) -> memoryview:
+        """The slot's memory as bytes (no copy), for socket I/O."""
+        return memoryview(self.buffer[slot].view(torch.uint8).reshape(-1).numpy())
+
     def begin_write(self, slot: int) -> torch.Tensor:
         """The slot's buffer, invalidated until ``end_write`` seals it."""
         self._headers[slot] = None
         return self.buffer[slot]
 
-    def end_write(self, slot: int, key: ChunkKey) -> None:
-        self._headers[slot] = SlotHeader(key, checksum(self.buffer[slot]))
+    def end_write(self, slot: int, key: ChunkKey, crc: int | None = None) -> None:
+        """Seal a slot; ``crc`` when its bytes were already verified against it."""
+        self._headers[slot] = SlotHeader(key, checksum(self.buffer[slot]) if crc is None else crc)
+
+    def header(self, slot: int) -> SlotHeader | None:
+        return self._headers[slot]
 
     def read(self, slot: int, key: ChunkKey) -> torch.Tensor:
         if not 0 <= slot < self.num_slots:

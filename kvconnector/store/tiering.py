@@ -1,0 +1,89 @@
+"""Worker side of memory -> Redis tiering: Redis chunks are fetched straight into pool slots
+before a step's loads; sealed slots are copied to Redis by a background thread, off the
+request's critical path."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvconnector.keys import ChunkKey
+from kvconnector.store.codec import ExpectedChunk, encode_header
+from kvconnector.store.memory import SlotPool
+
+if TYPE_CHECKING:
+    from kvconnector.store.redis_store import RedisStore
+
+logger = logging.getLogger("kvconnector.store.tiering")
+
+MAX_QUEUED_PUTS = 256
+
+
+class RedisTier:
+    def __init__(self, redis: RedisStore, pool: SlotPool, layout_name: str) -> None:
+        self.redis = redis
+        self.pool = pool
+        self.layout_name = layout_name
+        self.dropped_puts = 0
+        self._queue: queue.Queue[tuple[int, ChunkKey] | None] = queue.Queue(MAX_QUEUED_PUTS)
+        self._thread = threading.Thread(target=self._put_loop, name="kvconnector-redis-put",
+                                        daemon=True)
+        self._thread.start()
+
+    def expected(self, key: ChunkKey) -> ExpectedChunk:
+        return ExpectedChunk(str(key), self.layout_name,
+                             str(self.pool.buffer.dtype).removeprefix("torch."),
+                             self.pool.chunk_shape, self.pool.chunk_bytes)
+
+    def fetch(self, wanted: Sequence[tuple[int, ChunkKey]]) -> int:
+        """Fill and seal each ``(slot, key)`` from Redis in one pipeline; returns how many
+        arrived intact. A slot that did not stays unsealed, so its load reports an error."""
+        for slot, _ in wanted:
+            self.pool.begin_write(slot)
+        keys = [k for _, k in wanted]
+        got = self.redis.get_many(keys, [self.expected(k) for k in keys],
+                                  out=[self.pool.slot_bytes(s) for s, _ in wanted])
+        n = 0
+        for (slot, key), payload in zip(wanted, got, strict=True):
+            if payload is not None:
+                self.pool.end_write(slot, key)
+                n += 1
+        return n
+
+    def offload(self, slot: int, key: ChunkKey) -> None:
+        """Queue a sealed slot for Redis; a full queue drops the put (a later miss)."""
+        try:
+            self._queue.put_nowait((slot, key))
+        except queue.Full:
+            self.dropped_puts += 1
+
+    def _put_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                self._put(*item)
+            except Exception:  # the thread must outlive any single bad put
+                logger.exception("kvconnector: Redis put failed")
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _put(self, slot: int, key: ChunkKey) -> None:
+        header = self.pool.header(slot)
+        if header is None or header.key != key:
+            return  # the slot was reused before its turn came: nothing to copy
+        # If the slot is overwritten while it is being sent, the value's checksum no longer
+        # matches its bytes and every reader rejects (and deletes) it.
+        prefix = encode_header(self.expected(key), crc32=header.checksum)
+        self.redis.put_many([(key, prefix, self.pool.slot_bytes(slot))])
+
+    def flush(self) -> None:
+        """Wait until every queued put has been sent (or failed)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+        self.redis.close()

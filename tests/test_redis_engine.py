@@ -1,0 +1,81 @@
+"""Real engines sharing one real Redis: cross-process reuse, and Redis faults that must cost
+misses only (every request completes with the baseline's tokens)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import prompt, run_engine
+from tests.redis_server import RedisServer, free_port
+
+pytestmark = pytest.mark.engine
+
+CHUNK = 256
+P1, P2, P3, P4 = prompt(11, 700), prompt(12, 600), prompt(13, 800), prompt(14, 600)
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model, tmp_path_factory):
+    res = run_engine(tmp_path_factory.mktemp("redis-base"), {
+        "model": tiny_model, "connector": None,
+        "steps": [{"op": "generate", "prompts": [P1, P2, P3, P4]}]})
+    return [r["tokens"] for r in res[0]]
+
+
+@pytest.fixture
+def redis_server():
+    with RedisServer() as server:
+        yield server
+
+
+def test_second_engine_serves_first_engines_chunks(tiny_model, tmp_path_factory, baseline,
+                                                   redis_server):
+    extra = {"memory_capacity": "64MiB", "redis_url": redis_server.url,
+             "redis_key_prefix": "e2e"}
+    first = run_engine(tmp_path_factory.mktemp("redis-a"), {
+        "model": tiny_model, "connector": extra, "steps": [
+            {"op": "generate", "prompts": [P1]}, {"op": "flush"}, {"op": "redis_stats"}]})
+    assert first[2]["puts"] >= 2
+    assert len(redis_server.client().keys("e2e:*")) >= 2
+    second = run_engine(tmp_path_factory.mktemp("redis-b"), {
+        "model": tiny_model, "connector": extra, "steps": [
+            {"op": "generate", "prompts": [P1]}, {"op": "totals"}]})
+    out, totals = second[0][0], second[1]
+    assert out["cached"] == 2 * CHUNK
+    assert totals["redis_loaded_chunks"] == 2 and totals["load_errors"] == 0
+    assert first[0][0]["tokens"] == baseline[0]
+    assert out["tokens"] == baseline[0]
+
+
+def test_redis_faults_cost_misses_not_requests(tiny_model, tmp_path_factory, baseline):
+    port = free_port()
+    extra = {"memory_capacity": "64MiB", "redis_url": f"redis://127.0.0.1:{port}"}
+    res = run_engine(tmp_path_factory.mktemp("redis-faults"), {
+        "model": tiny_model, "connector": extra, "steps": [
+            {"op": "generate", "prompts": [P1]},  # 0: Redis absent at start
+            {"op": "redis_stats"},  # 1
+            {"op": "redis_server", "port": port, "action": "start"},  # 2
+            {"op": "sleep", "seconds": 2.5},  # 3: past the reconnect backoff
+            {"op": "generate", "prompts": [P2]},  # 4: reconnects, stores P2
+            {"op": "flush"}, {"op": "redis_stats"},  # 5, 6
+            {"op": "redis_server", "port": port, "action": "kill"},  # 7: dies mid-run
+            {"op": "generate", "prompts": [P1, P2, P3]},  # 8: memory hits, Redis misses
+            {"op": "flush"}, {"op": "redis_stats"},  # 9, 10
+            {"op": "redis_server", "port": port, "action": "restart"},  # 11: empty again
+            {"op": "sleep", "seconds": 2.5},  # 12
+            {"op": "generate", "prompts": [P4]},  # 13: new chunks go to Redis again
+            {"op": "flush"}, {"op": "redis_stats"},  # 14, 15
+        ]})
+    absent, up, killed, back = res[1], res[6], res[10], res[15]
+    assert [r["tokens"] for r in res[0]] == baseline[:1]
+    assert absent["errors"] >= 1 and absent["puts"] == 0
+    assert up["puts"] >= 2  # P2's chunks reached Redis once it was up
+    assert [r["tokens"] for r in res[8]] == baseline[:3]
+    # The memory tier still serves while Redis is down.
+    assert [r["cached"] for r in res[8][:2]] == [2 * CHUNK, 2 * CHUNK]
+    assert killed["errors"] > up["errors"]
+    assert back["puts"] > killed["puts"]  # reconnected after the restart
+    assert [r["tokens"] for r in res[13]] == baseline[3:]
+    assert back["reconnects"] >= 2  # after the first start and after the restart
+    # No storm: failed attempts stay a handful; the rest were skipped during backoff.
+    assert back["errors"] <= 5 and back["skipped_in_backoff"] >= 1

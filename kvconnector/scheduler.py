@@ -55,6 +55,7 @@ class SchedulerHalf:
         self._lookup_start: dict[str, int] = {}
         self._loads: list[ChunkTransfer] = []
         self._evictions_reported = 0
+        self.resumed_requests = 0  # preempted requests seen coming back
 
     def _state(self, request: Request) -> RequestState:
         st = self._requests.get(request.request_id)
@@ -132,6 +133,7 @@ class SchedulerHalf:
     def build_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
         plan = StepPlan(loads=self._loads)
         self._loads = []
+        self.resumed_requests += len(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
         c = self.config.chunk_size
         for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
             st = self._requests.get(req_id)
@@ -172,6 +174,11 @@ class SchedulerHalf:
         self._requests.pop(request.request_id, None)
         self._lookup_start.pop(request.request_id, None)
         return False, None
+
+    def outstanding(self) -> dict[str, int]:
+        """Per-request state still held; all zero once every request has finished."""
+        return {"requests": len(self._requests), "lookups": len(self._lookup_start),
+                "planned_loads": len(self._loads), "pinned_slots": self.index.pinned}
 
     def take_stats(self) -> TransferStats | None:
         new_evictions = self.index.evictions - self._evictions_reported

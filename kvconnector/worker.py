@@ -157,6 +157,12 @@ class WorkerHalf:
         report, self._bad_chunks = WorkerReport(self._bad_chunks), set()
         return report
 
+    def outstanding(self) -> dict[str, int]:
+        """Pending state; all zero between steps once every request has finished."""
+        queued = self.redis_tier.queued if self.redis_tier is not None else 0
+        return {"load_errors": len(self._load_errors), "bad_chunks": len(self._bad_chunks),
+                "redis_puts_queued": queued}
+
     def shutdown(self) -> None:
         if self.redis_tier is not None:
             self.redis_tier.flush()

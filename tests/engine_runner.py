@@ -53,6 +53,40 @@ def _corrupt(worker, prompt: list[int], chunk: int, reseal: bool) -> bool:
     return True
 
 
+def _worker_outstanding(worker) -> dict:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().worker.outstanding()
+
+
+def _stress(llm, step: dict) -> dict:
+    """Many concurrent requests in a small KV cache (preemptions), some aborted mid-run."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=step["max_tokens"], ignore_eos=True)
+    ids = [f"stress-{i}" for i in range(len(step["prompts"]))]
+    for rid, p in zip(ids, step["prompts"], strict=True):
+        engine.add_request(rid, {"prompt_token_ids": p}, sp)
+    aborted = ids[::3]
+    tokens: dict[str, list[int]] = {}
+    n = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+        n += 1
+        if n == step["abort_after_steps"]:
+            engine.abort_request(aborted)
+    connector = engine.engine_core.engine_core.scheduler.connector
+    return {"steps": n, "aborted": aborted, "tokens": tokens,
+            "resumed": connector.scheduler.resumed_requests}
+
+
+def _scheduler_outstanding(llm) -> dict:
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler.outstanding()
+
+
 def _flush_redis(worker) -> bool:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -117,6 +151,11 @@ def _main(spec_path: str, out_path: str) -> None:
         elif op == "corrupt":
             results.append(llm.collective_rpc(
                 _corrupt, args=(step["prompt"], step["chunk"], step.get("reseal", False))))
+        elif op == "stress":
+            results.append(_stress(llm, step))
+        elif op == "outstanding":
+            results.append({"scheduler": _scheduler_outstanding(llm),
+                            "workers": llm.collective_rpc(_worker_outstanding)})
         elif op == "flush":
             results.append(llm.collective_rpc(_flush_redis))
         elif op == "redis_stats":

@@ -163,3 +163,26 @@ def test_bad_config_stops_engine_start(tiny_model, tmp_path_factory, extra, mess
         run_engine(tmp_path_factory.mktemp("badcfg"), {
             "model": tiny_model, "connector": extra, "steps": []})
     assert message in str(e.value)
+
+
+def test_no_state_leaks_after_preemptions_and_aborts(tiny_model, tmp_path_factory):
+    prompts = [prompt(200 + i, 600) for i in range(12)]
+    spec = {"model": tiny_model, "kv_cache_bytes": 3 << 20, "max_model_len": 1024,
+            "prefix_caching": True, "steps": [
+                {"op": "stress", "prompts": prompts, "max_tokens": 160,
+                 "abort_after_steps": 6},
+                {"op": "outstanding"}]}
+    res = run_engine(tmp_path_factory.mktemp("stress"), {**spec, "connector": MEM})
+    stress, outstanding = res
+    assert stress["resumed"] > 0, "the workload was meant to preempt requests"
+    assert len(stress["tokens"]) == len(prompts) - len(stress["aborted"])
+    assert all(v == 0 for v in outstanding["scheduler"].values()), outstanding
+    assert all(v == 0 for w in outstanding["workers"] for v in w.values()), outstanding
+    # Requests that survived preemption (and reloads from the store) still match vLLM alone.
+    finished = [i for i in range(len(prompts)) if f"stress-{i}" in stress["tokens"]]
+    base = run_engine(tmp_path_factory.mktemp("stress-base"), {
+        "model": tiny_model, "connector": None, "max_model_len": 1024, "steps": [
+            {"op": "generate", "prompts": [prompts[i] for i in finished],
+             "max_tokens": 160}]})
+    assert [stress["tokens"][f"stress-{i}"] for i in finished] == [
+        b["tokens"] for b in base[0]]

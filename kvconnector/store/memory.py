@@ -45,6 +45,10 @@ class MemoryIndex:
     def __contains__(self, chunk_hash: bytes) -> bool:
         return chunk_hash in self._slots
 
+    @property
+    def pinned(self) -> int:
+        return len(self._pinned)
+
     def count_prefix(self, hashes: Sequence[bytes]) -> int:
         """How many leading chunks are stored. No side effects (vLLM may ask repeatedly)."""
         n = 0

@@ -79,6 +79,10 @@ class RedisTier:
         prefix = encode_header(self.expected(key), crc32=header.checksum)
         self.redis.put_many([(key, prefix, self.pool.slot_bytes(slot))])
 
+    @property
+    def queued(self) -> int:
+        return self._queue.unfinished_tasks
+
     def flush(self) -> None:
         """Wait until every queued put has been sent (or failed)."""
         self._queue.join()

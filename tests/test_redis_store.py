@@ -1,0 +1,644 @@
+"""RedisStore and its codec against real redis-server processes (see tests/redis_server.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import redis
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from redis_server import LatencyProxy, RedisClusterServers, RedisServer, free_port  # noqa: E402
+
+from kvconnector.keys import ChunkKey  # noqa: E402
+from kvconnector.store import codec  # noqa: E402
+from kvconnector.store.codec import CorruptValue, ExpectedChunk  # noqa: E402
+from kvconnector.store.memory import checksum as memory_checksum  # noqa: E402
+from kvconnector.store.redis_store import RedisStore, redact_url  # noqa: E402
+
+FP = bytes.fromhex("00112233445566778899aabbccddeeff")
+OTHER_FP = bytes.fromhex("ffeeddccbbaa99887766554433221100")
+
+
+# ---- fixtures and helpers -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server():
+    with RedisServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+def redis_server(server):
+    """The module's server, emptied and with fresh command stats."""
+    with server.client() as c:
+        c.flushall()
+        c.config_resetstat()
+    return server
+
+
+@pytest.fixture
+def store(redis_server):
+    s = RedisStore.from_url(redis_server.url, timeout_s=2.0)
+    yield s
+    s.close()
+
+
+def chunk_key(i: int, fp: bytes = FP, rank: int = 0) -> str:
+    return str(ChunkKey(fp, rank, i.to_bytes(16, "big")))
+
+
+def make_chunk(i: int, nbytes: int, *, fp: bytes = FP, seed: int | None = None):
+    """(ExpectedChunk, payload bytes) for a chunk of ``nbytes`` random bytes."""
+    payload = os.urandom(nbytes) if seed is None else \
+        torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                      generator=torch.Generator().manual_seed(seed)).numpy().tobytes()
+    exp = ExpectedChunk(chunk_key(i, fp), "chunk", "bfloat16", (2, nbytes // 4, 1, 1),
+                        nbytes)
+    return exp, payload
+
+
+def item(exp: ExpectedChunk, payload) -> tuple[str, bytes, memoryview]:
+    return exp.key, codec.encode_header(exp, payload), memoryview(payload)
+
+
+def header_dict(exp: ExpectedChunk, payload: bytes) -> dict:
+    return {"v": codec.FORMAT_VERSION, "key": exp.key, "layout": exp.layout,
+            "dtype": exp.dtype, "shape": list(exp.shape), "nbytes": exp.nbytes,
+            "crc32": codec.checksum(payload)}
+
+
+def raw_value(header: dict | bytes, payload: bytes, magic: bytes = codec.MAGIC,
+              header_len: int | None = None) -> bytes:
+    hb = header if isinstance(header, bytes) else msgpack.packb(header, use_bin_type=True)
+    n = len(hb) if header_len is None else header_len
+    return magic + struct.pack("<I", n) + hb + payload
+
+
+# ---- codec ----------------------------------------------------------------------------
+
+def _variant(name: str, exp: ExpectedChunk, payload: bytes) -> bytes:
+    good = header_dict(exp, payload)
+    if name == "too_short":
+        return b"KVC"
+    if name == "bad_magic":
+        return raw_value(good, payload, magic=b"PKL4")
+    if name == "header_too_long":
+        return raw_value(good, payload, header_len=codec.MAX_HEADER_LEN + 1)
+    if name == "truncated_header":
+        return raw_value(good, b"", header_len=4000)[:100]
+    if name == "header_unpack":
+        return raw_value(b"\xc1" * 16, payload)
+    if name == "header_huge_str":
+        return raw_value(dict(good, layout="x" * (codec.MAX_STR_LEN + 1)), payload)
+    if name == "header_not_map":
+        return raw_value([1, 2, 3], payload)
+    if name == "missing_field":
+        return raw_value({k: v for k, v in good.items() if k != "crc32"}, payload)
+    if name == "extra_field":
+        return raw_value(dict(good, pickle="cos\nsystem\n"), payload)
+    if name == "ill_typed":
+        return raw_value(dict(good, nbytes=str(exp.nbytes)), payload)
+    if name == "bool_as_int":
+        return raw_value(dict(good, v=True), payload)
+    if name == "version":
+        return raw_value(dict(good, v=codec.FORMAT_VERSION + 1), payload)
+    if name == "other_fingerprint":
+        return raw_value(dict(good, key=exp.key.replace(FP.hex(), OTHER_FP.hex())), payload)
+    if name == "layout":
+        return raw_value(dict(good, layout="mla"), payload)
+    if name == "dtype":
+        return raw_value(dict(good, dtype="float16"), payload)
+    if name == "shape":
+        return raw_value(dict(good, shape=[exp.shape[0] * 2, *exp.shape[1:]]), payload)
+    if name == "nbytes":
+        return raw_value(dict(good, nbytes=exp.nbytes + 1), payload)
+    if name == "truncated":
+        return raw_value(good, payload)[:-10]
+    if name == "too_large":
+        return raw_value(good, payload) + b"\0" * 10
+    if name == "corrupt_byte":
+        value = bytearray(raw_value(good, payload))
+        value[-100] ^= 0x40
+        return bytes(value)
+    raise AssertionError(name)
+
+
+VARIANTS = {  # variant -> reason
+    "too_short": "too_short", "bad_magic": "bad_magic", "header_too_long": "header_too_long",
+    "truncated_header": "truncated", "header_unpack": "header_unpack",
+    "header_huge_str": "header_unpack", "header_not_map": "header_fields",
+    "missing_field": "header_fields", "extra_field": "header_fields",
+    "ill_typed": "header_fields", "bool_as_int": "header_fields", "version": "version",
+    "other_fingerprint": "key", "layout": "layout", "dtype": "dtype", "shape": "shape",
+    "nbytes": "nbytes", "truncated": "truncated", "too_large": "too_large",
+    "corrupt_byte": "checksum",
+}
+
+
+def test_codec_round_trip_and_layout():
+    exp, payload = make_chunk(1, 4096)
+    header = codec.encode_header(exp, payload)
+    magic, hlen = struct.unpack_from("<4sI", header)
+    assert magic == b"KVC1" and hlen == len(header) - 8
+    fields = msgpack.unpackb(header[8:])
+    assert fields == header_dict(exp, payload)
+    value = header + payload
+    view = codec.parse(value, exp)
+    assert isinstance(view, memoryview) and view.obj is value  # a view, not a copy
+    assert bytes(view) == payload
+    assert codec.encode(exp, payload) == value
+    assert codec.parse(memoryview(bytearray(value)), exp).tobytes() == payload
+
+
+def test_codec_checksum_matches_memory_tier():
+    t = torch.randn(2, 16, 4, 8).to(torch.bfloat16)
+    raw = t.view(torch.uint8).reshape(-1).numpy()
+    assert codec.checksum(raw) == memory_checksum(t)
+    exp = ExpectedChunk(chunk_key(3), "chunk", "bfloat16", tuple(t.shape), raw.nbytes)
+    # a known crc (the memory tier's) avoids reading the payload again
+    assert codec.encode_header(exp, crc32=memory_checksum(t)) == codec.encode_header(exp, raw)
+    with pytest.raises(ValueError):
+        codec.encode_header(exp, raw[:-1])
+    with pytest.raises(ValueError):
+        codec.encode_header(exp)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_codec_rejects(variant):
+    exp, payload = make_chunk(7, 4096, seed=7)
+    with pytest.raises(CorruptValue) as info:
+        codec.parse(_variant(variant, exp, payload), exp)
+    assert info.value.reason == VARIANTS[variant]
+    assert info.value.reason in codec.REASONS
+
+
+def test_codec_checks_in_order():
+    exp, payload = make_chunk(7, 4096, seed=7)
+    good = header_dict(exp, payload)
+    # bad magic wins over a too-long header and a truncated payload
+    bad = raw_value(good, payload, magic=b"XXXX", header_len=1 << 30)[:-5]
+    with pytest.raises(CorruptValue, match="bad_magic"):
+        codec.parse(bad, exp)
+    # the header limit is checked before anything is unpacked
+    bad = raw_value(b"\xc1", payload, header_len=codec.MAX_HEADER_LEN + 1)
+    with pytest.raises(CorruptValue, match="header_too_long"):
+        codec.parse(bad, exp)
+    # version before key before shape before payload length
+    bad = raw_value(dict(good, v=9, key="x", shape=[1]), payload[:-1])
+    with pytest.raises(CorruptValue, match="version"):
+        codec.parse(bad, exp)
+    bad = raw_value(dict(good, key="x", shape=[1]), payload[:-1])
+    with pytest.raises(CorruptValue, match="key"):
+        codec.parse(bad, exp)
+    bad = raw_value(dict(good, shape=[1]), payload[:-1])
+    with pytest.raises(CorruptValue, match="shape"):
+        codec.parse(bad, exp)
+
+
+# ---- round trips ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("nbytes", [4, 4096, 16 * 1024 + 4, 64 * 1024, 2 * 2**20])
+def test_round_trip(store, redis_server, nbytes):
+    chunks = [make_chunk(i, nbytes) for i in range(3)]
+    assert store.put_many([item(e, p) for e, p in chunks]) == 3
+    got = store.get_many([e.key for e, _ in chunks], [e for e, _ in chunks])
+    assert [bytes(g) for g in got] == [p for _, p in chunks]
+    s = store.snapshot()
+    assert (s["puts"], s["gets"], s["hits"], s["misses"]) == (3, 3, 3, 0)
+    assert s["put_bytes"] == s["get_bytes"] == 3 * nbytes
+    assert redis_server.command_calls("set") == 3 and redis_server.command_calls("get") == 3
+
+
+def test_round_trip_tensors_into_out_buffers(store):
+    src = torch.randn(4, 2, 32, 2, 16).to(torch.bfloat16)  # 4 chunks of [2, 32, 2, 16]
+    exps, items = [], []
+    for i in range(4):
+        raw = src[i].view(torch.uint8).reshape(-1).numpy()
+        exp = ExpectedChunk(chunk_key(i), "chunk", "bfloat16", tuple(src[i].shape), raw.nbytes)
+        exps.append(exp)
+        items.append((exp.key, codec.encode_header(exp, crc32=memory_checksum(src[i])),
+                      memoryview(raw)))
+    assert store.put_many(items) == 4
+    dst = torch.zeros_like(src)
+    outs = [memoryview(dst[i].view(torch.uint8).reshape(-1).numpy()) for i in range(4)]
+    got = store.get_many([e.key for e in exps], exps, out=outs)
+    assert all(g is not None for g in got)
+    assert torch.equal(dst, src)  # payloads landed directly in the destination tensor
+    with pytest.raises(ValueError):
+        store.get_many([exps[0].key], [exps[0]], out=[bytearray(10)])
+
+
+def test_missing_keys_are_misses(store):
+    exp, payload = make_chunk(1, 1024)
+    store.put_many([item(exp, payload)])
+    other, _ = make_chunk(2, 1024)
+    assert [g is None for g in store.get_many([exp.key, other.key], [exp, other])] == [
+        False, True]
+    s = store.snapshot()
+    assert s["hits"] == 1 and s["misses"] == 1 and s["errors"] == 0
+
+
+def test_exists_prefix(store, redis_server):
+    chunks = [make_chunk(i, 256) for i in range(6)]
+    stored = [0, 1, 2, 4, 5]
+    store.put_many([item(*chunks[i]) for i in stored])
+    keys = [e.key for e, _ in chunks]
+    assert store.exists_prefix(keys, 1.0) == 3
+    assert store.exists_prefix(keys[:2], 1.0) == 2
+    assert store.exists_prefix(keys[3:], 1.0) == 0
+    assert store.exists_prefix(keys[4:], 1.0) == 2
+    assert store.exists_prefix([], 1.0) == 0
+    # one EXISTS per key, all sent in one pipeline (no MULTI, no per-key round trips)
+    assert redis_server.command_calls("exists") == 6 + 2 + 3 + 2
+    s = store.snapshot()
+    assert s["lookups"] == 4 and s["lookup_hits"] == 3 + 2 + 0 + 2
+
+
+def test_exists_prefix_is_one_round_trip(redis_server):
+    rtt = 0.25  # two round trips would take 0.5 s, the 20 one per key 5 s
+    with LatencyProxy(redis_server.port, delay_s=rtt) as proxy:
+        store = RedisStore.from_url(proxy.url)
+        try:
+            chunks = [make_chunk(i, 64) for i in range(20)]
+            store.put_many([item(e, p) for e, p in chunks])
+            keys = [e.key for e, _ in chunks]
+            store.exists_prefix(keys, 2.0)  # connection made
+            t0 = time.monotonic()
+            assert store.exists_prefix(keys, 2.0) == 20
+            elapsed = time.monotonic() - t0
+            assert rtt <= elapsed < 2 * rtt, elapsed
+            t0 = time.monotonic()
+            got = store.get_many(keys, [e for e, _ in chunks])
+            assert all(g is not None for g in got)
+            assert time.monotonic() - t0 < 2 * rtt
+            # a budget below one round trip: a miss, on time
+            t0 = time.monotonic()
+            assert store.exists_prefix(keys, 0.05) == 0
+            assert time.monotonic() - t0 < rtt
+            assert store.snapshot()["timeouts"] == 1
+        finally:
+            store.close()
+
+
+def test_ttl(redis_server):
+    exp, payload = make_chunk(1, 100)
+    c = redis_server.client()
+    with RedisStore.from_url(redis_server.url, ttl_s=100) as s:
+        s.put_many([item(exp, payload)])
+        assert 90 <= c.ttl(s.redis_key(exp.key)) <= 100
+    with RedisStore.from_url(redis_server.url, ttl_s=1.5, key_prefix="px") as s:
+        s.put_many([item(exp, payload)])
+        assert 0 < c.pttl(s.redis_key(exp.key)) <= 1500
+    with RedisStore.from_url(redis_server.url, key_prefix="none") as s:
+        s.put_many([item(exp, payload)])
+        assert c.ttl(s.redis_key(exp.key)) == -1
+    with pytest.raises(ValueError):
+        RedisStore.from_url(redis_server.url, ttl_s=0)
+
+
+def test_key_prefix_isolation(redis_server):
+    exp, payload = make_chunk(1, 100)
+    a = RedisStore.from_url(redis_server.url, key_prefix="deploy-a")
+    b = RedisStore.from_url(redis_server.url, key_prefix="deploy-b")
+    try:
+        assert a.put_many([item(exp, payload)]) == 1
+        assert a.exists_prefix([exp.key], 1.0) == 1
+        assert b.exists_prefix([exp.key], 1.0) == 0
+        assert b.get_many([exp.key], [exp]) == [None]
+        keys = redis_server.client().keys("*")
+        assert keys == [f"deploy-a:{exp.key}".encode()]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_concurrent_threads(store):
+    errors = []
+
+    def work(t: int) -> None:
+        try:
+            for j in range(10):
+                exp, payload = make_chunk(t * 100 + j, 8192 + t)
+                assert store.put_many([item(exp, payload)]) == 1
+                assert bytes(store.get_many([exp.key], [exp])[0]) == payload
+                assert store.exists_prefix([exp.key], 1.0) == 1
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert store.snapshot()["hits"] == 60
+
+
+# ---- corrupt values -------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_corrupt_value_detected_counted_deleted(store, redis_server, variant):
+    exp, payload = make_chunk(9, 64 * 1024, seed=9)
+    good_exp, good_payload = make_chunk(10, 4096)
+    store.put_many([item(good_exp, good_payload)])
+    c = redis_server.client()
+    c.set(store.redis_key(exp.key), _variant(variant, exp, payload))
+    got = store.get_many([exp.key, good_exp.key], [exp, good_exp])
+    assert got[0] is None
+    assert bytes(got[1]) == good_payload  # the connection stayed in sync after the bad one
+    s = store.snapshot()
+    assert s["corrupt"] == 1 and s["corrupt_deleted"] == 1
+    assert s["corrupt_reasons"] == {VARIANTS[variant]: 1}
+    assert s["misses"] == 1 and s["hits"] == 1 and s["errors"] == 0
+    assert c.exists(store.redis_key(exp.key)) == 0
+    assert c.exists(store.redis_key(good_exp.key)) == 1
+
+
+def test_huge_foreign_value_is_drained_not_kept(store, redis_server):
+    exp, payload = make_chunk(9, 4096)
+    c = redis_server.client()
+    c.set(store.redis_key(exp.key), raw_value(header_dict(exp, payload), b"x" * (8 << 20)))
+    other, other_payload = make_chunk(11, 4096)
+    store.put_many([item(other, other_payload)])
+    got = store.get_many([exp.key, other.key], [exp, other])
+    assert got[0] is None and bytes(got[1]) == other_payload
+    assert store.snapshot()["corrupt_reasons"] == {"too_large": 1}
+
+
+def test_wrong_type_is_a_miss_not_an_exception(store, redis_server):
+    exp, _ = make_chunk(1, 64)
+    redis_server.client().rpush(store.redis_key(exp.key), b"x")
+    assert store.get_many([exp.key], [exp]) == [None]
+    s = store.snapshot()
+    assert s["errors"] == 1 and s["misses"] == 1 and not store.in_backoff
+
+
+# ---- URLs and logs --------------------------------------------------------------------
+
+def test_url_password_db_and_unix_socket():
+    with RedisServer(password="s3cret-pw", unixsocket=True) as srv:
+        exp, payload = make_chunk(1, 1000)
+        url = f"redis://:s3cret-pw@127.0.0.1:{srv.port}/3"
+        with RedisStore.from_url(url) as s:
+            assert s.put_many([item(exp, payload)]) == 1
+            assert bytes(s.get_many([exp.key], [exp])[0]) == payload
+        assert srv.client(db=3).exists(f"kvc:{exp.key}") == 1
+        assert srv.client(db=0).dbsize() == 0
+        unix = f"unix://{srv.unix_path}?db=2&password=s3cret-pw"
+        with RedisStore.from_url(unix, key_prefix="u") as s:
+            assert s._pool.connection_class is redis.UnixDomainSocketConnection
+            assert s.put_many([item(exp, payload)]) == 1
+            assert s.exists_prefix([exp.key], 1.0) == 1
+        assert srv.client(db=2).exists(f"u:{exp.key}") == 1
+        # a wrong password costs misses, not exceptions
+        with RedisStore.from_url(f"redis://:nope@127.0.0.1:{srv.port}") as s:
+            assert s.put_many([item(exp, payload)]) == 0
+            assert s.get_many([exp.key], [exp]) == [None]
+            assert s.snapshot()["errors"] == 1 and s.in_backoff
+
+
+def test_url_schemes():
+    s = RedisStore.from_url("rediss://:pw@127.0.0.1:1/0")
+    assert s._pool.connection_class is redis.SSLConnection
+    assert s._pool.connection_kwargs["password"] == "pw"
+    s.close()
+    s = RedisStore.from_url("redis+cluster://127.0.0.1:1")
+    assert s.cluster and s.url == "redis://127.0.0.1:1"
+    s.close()
+    for bad in ("http://127.0.0.1", "127.0.0.1:6379", "unix+cluster:///tmp/x"):
+        with pytest.raises(ValueError):
+            RedisStore.from_url(bad)
+    with pytest.raises(ValueError):
+        RedisStore.from_url("unix:///tmp/x.sock", cluster=True)
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("redis://:hunter2@host:6379/1", "redis://:***@host:6379/1"),
+    ("redis://user:hunter2@host:6379", "redis://user:***@host:6379"),
+    ("rediss://user:p%40ss@host", "rediss://user:***@host"),
+    ("redis://user@host:6379", "redis://user@host:6379"),
+    ("redis://host:6379/0", "redis://host:6379/0"),
+    ("unix:///run/redis.sock?db=2&password=hunter2", "unix:///run/redis.sock?db=2&password=***"),
+    ("redis+cluster://:hunter2@h1:7000", "redis+cluster://:***@h1:7000"),
+    ("redis://:hun/ter#2@host:6379", "redis://:***@host:6379"),
+    ("redis://:hun@ter2@host:6379", "redis://:***@host:6379"),
+    ("redis://u:hunter2@host/0?password=hunter2&x=1", "redis://u:***@host/0?password=***&x=1"),
+])
+def test_redact_url(url, expected):
+    assert redact_url(url) == expected
+    assert "hunter2" not in redact_url(url) and "ter2" not in redact_url(url)
+
+
+def test_passwords_never_logged(caplog):
+    port = free_port()  # nothing listens there
+    caplog.set_level(logging.DEBUG, logger="kvconnector.store.redis")
+    exp, payload = make_chunk(1, 100)
+    for url in (f"redis://admin:hunter2-secret@127.0.0.1:{port}/0",
+                "unix:///nonexistent/redis.sock?password=hunter2-secret"):
+        with RedisStore.from_url(url, backoff_initial_s=0.01) as s:
+            assert s.put_many([item(exp, payload)]) == 0
+            assert s.exists_prefix([exp.key], 0.5) == 0
+            time.sleep(0.02)
+            assert s.get_many([exp.key], [exp]) == [None]
+            assert "hunter2" not in repr(s)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "***" in text and "failed" in text
+    assert "hunter2" not in text
+
+
+# ---- faults ---------------------------------------------------------------------------
+
+def _count_connects(monkeypatch) -> list[int]:
+    """Counts real socket connection attempts made by redis-py."""
+    calls = [0]
+    original = redis.connection.Connection._connect
+
+    def counting(self):
+        calls[0] += 1
+        return original(self)
+
+    monkeypatch.setattr(redis.connection.Connection, "_connect", counting)
+    return calls
+
+
+def test_absent_at_start_backs_off(monkeypatch):
+    attempts = _count_connects(monkeypatch)
+    exp, payload = make_chunk(1, 4096)
+    store = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}", backoff_initial_s=2.0)
+    t0 = time.monotonic()
+    for i in range(200):
+        op = i % 3
+        if op == 0:
+            assert store.exists_prefix([exp.key], 0.5) == 0
+        elif op == 1:
+            assert store.get_many([exp.key], [exp]) == [None]
+        else:
+            assert store.put_many([item(exp, payload)]) == 0
+    elapsed = time.monotonic() - t0
+    s = store.snapshot()
+    store.close()
+    assert attempts[0] == 1, attempts  # not one per call
+    assert s["errors"] == attempts[0] and s["in_backoff"]
+    assert s["skipped_in_backoff"] >= 200 - attempts[0]
+    assert s["put_failed"] == 66 and s["misses"] == 67 and s["puts"] == 0
+    assert elapsed < 2.0
+
+
+def test_backoff_grows_and_probes_once(monkeypatch):
+    attempts = _count_connects(monkeypatch)
+    store = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}", backoff_initial_s=0.05,
+                                backoff_max_s=0.2, seed=1)
+    exp, _ = make_chunk(1, 64)
+    t_end = time.monotonic() + 1.0
+    calls = 0
+    while time.monotonic() < t_end:
+        store.exists_prefix([exp.key], 0.1)
+        calls += 1
+        time.sleep(0.001)
+    s = store.snapshot()
+    store.close()
+    # delays 0.05, 0.1, 0.2, 0.2, ... (+-20%): about 6 probes in a second, not `calls`
+    assert 3 <= attempts[0] <= 9, attempts
+    assert s["reconnects"] == attempts[0] - 1
+    assert calls > 50 and s["skipped_in_backoff"] == calls - attempts[0]
+
+
+def test_killed_then_restarted(monkeypatch):
+    attempts = _count_connects(monkeypatch)
+    exp, payload = make_chunk(1, 256 * 1024)
+    with RedisServer() as srv:
+        store = RedisStore.from_url(srv.url, backoff_initial_s=0.5, backoff_max_s=1.0, seed=0)
+        assert store.put_many([item(exp, payload)]) == 1
+        assert store.exists_prefix([exp.key], 1.0) == 1
+        srv.kill()
+        # the pooled connection is dead: misses from here on, and no exception
+        assert store.get_many([exp.key], [exp]) == [None]
+        assert store.in_backoff
+        before = attempts[0]
+        for _ in range(100):
+            assert store.exists_prefix([exp.key], 1.0) == 0
+            assert store.put_many([item(exp, payload)]) == 0
+        assert attempts[0] - before <= 1
+        srv.start()  # same port, empty
+        deadline = time.monotonic() + 5.0
+        stored = 0
+        while not stored and time.monotonic() < deadline:
+            stored = store.put_many([item(exp, payload)])
+            time.sleep(0.01)
+        assert stored == 1
+        assert not store.in_backoff
+        assert bytes(store.get_many([exp.key], [exp])[0]) == payload
+        assert store.exists_prefix([exp.key], 1.0) == 1
+        s = store.snapshot()
+        store.close()
+    assert s["reconnects"] >= 1 and s["backoffs"] >= 1 and s["skipped_in_backoff"] >= 150
+    assert attempts[0] < 20
+
+
+def test_slow_server_lookup_bounded(redis_server):
+    exp, payload = make_chunk(1, 1024)
+    store = RedisStore.from_url(redis_server.url, backoff_initial_s=0.2)
+    try:
+        store.put_many([item(exp, payload)])
+        assert store.exists_prefix([exp.key], 0.5) == 1
+        redis_server.pause(1.0)
+        t_paused = time.monotonic()
+        for i in range(3):
+            t0 = time.monotonic()
+            assert store.exists_prefix([exp.key], 0.05) == 0
+            assert time.monotonic() - t0 < 0.3
+            # one lookup over budget is not an outage; three in a row is
+            assert store.in_backoff == (i == 2)
+        t0 = time.monotonic()
+        assert store.exists_prefix([exp.key], 0.05) == 0  # skipped, no wait at all
+        assert time.monotonic() - t0 < 0.05
+        assert time.monotonic() - t_paused < 0.9  # all of it while the server was paused
+        s = store.snapshot()
+        assert s["timeouts"] == 3 and s["skipped_in_backoff"] == 1
+        time.sleep(max(0.0, 1.0 - (time.monotonic() - t_paused)) + 0.3)
+        assert store.exists_prefix([exp.key], 1.0) == 1  # the probe succeeds
+        assert not store.in_backoff
+    finally:
+        store.close()
+
+
+def test_hung_server_get_times_out(redis_server):
+    exp, payload = make_chunk(1, 1024)
+    store = RedisStore.from_url(redis_server.url, timeout_s=0.3, backoff_initial_s=5.0)
+    try:
+        store.put_many([item(exp, payload)])
+        redis_server.freeze()
+        try:
+            t0 = time.monotonic()
+            assert store.get_many([exp.key], [exp]) == [None]
+            assert 0.25 < time.monotonic() - t0 < 1.0
+            assert store.in_backoff  # a get timing out is an outage
+            t0 = time.monotonic()
+            assert store.put_many([item(exp, payload)]) == 0
+            assert time.monotonic() - t0 < 0.05
+        finally:
+            redis_server.thaw()
+        s = store.snapshot()
+        assert s["timeouts"] == 1 and s["skipped_in_backoff"] == 1
+    finally:
+        store.close()
+
+
+# ---- cluster --------------------------------------------------------------------------
+
+def test_cluster_round_trip():
+    with RedisClusterServers(3) as cl:
+        store = RedisStore.from_url(cl.cluster_url, key_prefix="kvc")
+        try:
+            chunks = [make_chunk(i, 32 * 1024 + i) for i in range(30)]
+            assert store.put_many([item(e, p) for e, p in chunks]) == 30
+            per_node = [n.client().dbsize() for n in cl.nodes]
+            assert sum(per_node) == 30 and sum(1 for n in per_node if n) >= 2, per_node
+            keys = [e.key for e, _ in chunks]
+            assert store.exists_prefix(keys, 2.0) == 30
+            got = store.get_many(keys, [e for e, _ in chunks])
+            assert [bytes(g) for g in got] == [p for _, p in chunks]
+            # a corrupt value on whichever node holds it is found and deleted there
+            rk = store.redis_key(keys[5])
+            c = redis.RedisCluster.from_url(cl.url)
+            c.set(rk, b"garbage")
+            assert store.exists_prefix(keys, 2.0) == 30
+            got = store.get_many(keys, [e for e, _ in chunks])
+            assert got[5] is None and all(g is not None for i, g in enumerate(got) if i != 5)
+            assert c.exists(rk) == 0
+            c.close()
+            assert store.exists_prefix(keys, 2.0) == 5
+            s = store.snapshot()
+            assert s["corrupt_deleted"] == 1 and s["errors"] == 0
+            # a node dies: misses and backoff, no exception
+            cl.nodes[1].kill()
+            assert store.get_many(keys, [e for e, _ in chunks]) == [None] * 30
+            assert store.exists_prefix(keys, 1.0) == 0
+            assert store.put_many([item(e, p) for e, p in chunks[:3]]) == 0
+            s = store.snapshot()
+            assert s["errors"] == 1 and s["skipped_in_backoff"] == 2 and store.in_backoff
+        finally:
+            store.close()
+
+
+def test_cluster_absent_at_start(monkeypatch):
+    attempts = _count_connects(monkeypatch)
+    store = RedisStore.from_url(f"redis+cluster://127.0.0.1:{free_port()}")
+    exp, payload = make_chunk(1, 64)
+    for _ in range(50):
+        assert store.exists_prefix([exp.key], 0.5) == 0
+        assert store.put_many([item(exp, payload)]) == 0
+        assert store.get_many([exp.key], [exp]) == [None]
+    s = store.snapshot()
+    store.close()
+    assert 1 <= attempts[0] <= 3 and s["errors"] == 1 and s["skipped_in_backoff"] == 149

@@ -19,6 +19,7 @@ from common import (
     add_model_args,
     connector,
     engine,
+    in_fresh_process,
     random_prompt,
     resolve_model,
     write_results,
@@ -63,6 +64,12 @@ def run(llm, args, systems, questions, chats) -> dict:
             "answers": answers}
 
 
+def run_config(model, args, kvt, max_len, systems, questions, chats) -> dict:
+    with engine(model, args, kvt, max_len, enable_prefix_caching=True,
+                disable_log_stats=False) as llm:
+        return run(llm, args, systems, questions, chats)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,12 +98,11 @@ def main() -> None:
     extra = {"memory_capacity": args.memory_capacity}
     if args.redis_url:
         extra["redis_url"] = args.redis_url
-    results = {}
-    for name, kvt in tqdm([("vLLM alone", None), ("vLLM + kvconnector", connector(extra))],
-                          desc="configs"):
-        with engine(model, args, kvt, max_len, enable_prefix_caching=True,
-                    disable_log_stats=False) as llm:
-            results[name] = run(llm, args, systems, questions, chats)
+    results = {name: in_fresh_process(run_config, model, args, kvt, max_len, systems,
+                                      questions, chats)
+               for name, kvt in tqdm([("vLLM alone", None),
+                                      ("vLLM + kvconnector", connector(extra))],
+                                     desc="configs")}
     same = results["vLLM alone"].pop("answers") == results["vLLM + kvconnector"].pop("answers")
     print(f"\nshared-prefix workload, {model}: {args.requests} requests over "
           f"{args.system_prompts} x {args.system_tokens}-token system prompts, then "

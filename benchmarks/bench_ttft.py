@@ -18,6 +18,7 @@ from common import (
     add_model_args,
     connector,
     engine,
+    in_fresh_process,
     random_prompt,
     resolve_model,
     timed_generate,
@@ -34,6 +35,20 @@ def measure(llm, prompts: list[list[int]]) -> tuple[float, list[int]]:
     return statistics.median(times), cached
 
 
+def run_config(model: str, args, kvt: dict | None, lengths: list[int],
+               prompts: dict[int, list[list[int]]], repeat: bool) -> dict:
+    """One engine: TTFT of every prompt (and again, if ``repeat``: hits)."""
+    rng = random.Random(9)
+    first, second, cached = {}, {}, {}
+    with engine(model, args, kvt, max(lengths) + 64, enable_prefix_caching=False) as llm:
+        timed_generate(llm, [random_prompt(rng, 300, 400)], 1)
+        for n in lengths:
+            first[n], _ = measure(llm, prompts[n])
+            if repeat:
+                second[n], cached[n] = measure(llm, prompts[n])
+    return {"first": first, "second": second, "cached": cached}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,35 +63,20 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     rng = random.Random(0)
     prompts = {n: [random_prompt(rng, n, vocab) for _ in range(args.repeats)] for n in lengths}
-    max_len = max(lengths) + 64
-    results: dict[str, dict[int, float]] = {}
-    cached: dict[str, dict[int, list[int]]] = {}
-    warm = random_prompt(rng, 300, vocab)
-
-    with engine(model, args, None, max_len, enable_prefix_caching=False) as llm:
-        timed_generate(llm, [warm], 1)
-        results["no connector"] = {}
-        for n in tqdm(lengths, desc="no connector"):
-            results["no connector"][n], _ = measure(llm, prompts[n])
-
     extra = {"memory_capacity": args.memory_capacity}
     if args.redis_url:
         extra["redis_url"] = args.redis_url
-    miss, hit = "connector miss", "hit from memory"
-    with engine(model, args, connector(extra), max_len, enable_prefix_caching=False) as llm:
-        timed_generate(llm, [warm], 1)
-        results[miss], results[hit], cached[hit] = {}, {}, {}
-        for n in tqdm(lengths, desc="connector"):
-            results[miss][n], _ = measure(llm, prompts[n])
-            results[hit][n], cached[hit][n] = measure(llm, prompts[n])
+    configs = [("none", None, False), ("connector", connector(extra), True)]
+    if args.redis_url:  # a fresh engine has an empty memory tier: its hits come from Redis
+        configs.append(("redis", connector(extra), False))
+    runs = {name: in_fresh_process(run_config, model, args, kvt, lengths, prompts, repeat)
+            for name, kvt, repeat in tqdm(configs, desc="engines")}
+    results = {"no connector": runs["none"]["first"],
+               "connector miss": runs["connector"]["first"],
+               "hit from memory": runs["connector"]["second"]}
+    cached = {"hit from memory": runs["connector"]["cached"]}
     if args.redis_url:
-        # A fresh engine has an empty memory tier: its hits come from Redis.
-        hit = "hit from redis"
-        with engine(model, args, connector(extra), max_len, enable_prefix_caching=False) as llm:
-            timed_generate(llm, [warm], 1)
-            results[hit], cached[hit] = {}, {}
-            for n in tqdm(lengths, desc="redis hits"):
-                results[hit][n], cached[hit][n] = measure(llm, prompts[n])
+        results["hit from redis"] = runs["redis"]["first"]
 
     print(f"\nTTFT (s), median of {args.repeats}, model {model}")
     names = list(results)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import multiprocessing
 import os
 import platform
 import random
@@ -12,6 +13,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# vLLM's CPU backend reserves one more core for any engine with a kv_transfer_config; on a
+# small machine that reservation exceeds the cores and is dropped, so the engine with a
+# connector would compute on more cores than the one without. Same reservation for both.
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
 
 def add_model_args(p) -> None:
@@ -45,6 +51,32 @@ def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 def connector(extra: dict) -> dict:
     return {"kv_connector": "kvconnector", "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+
+def _child(fn, args, kwargs, results) -> None:
+    try:
+        results.put(("ok", fn(*args, **kwargs)))
+    except BaseException as e:  # noqa: BLE001 - re-raised in the parent
+        results.put(("error", repr(e)))
+        raise
+
+
+def in_fresh_process(fn, *args, **kwargs):
+    """Run ``fn`` in a new process and return its result.
+
+    Every engine configuration gets its own process: vLLM's CPU worker sets thread counts
+    and core binding per process, and a second engine built in the same process was seen to
+    get twice the cores of the first, which made any comparison between them meaningless.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(fn, args, kwargs, results))
+    proc.start()
+    status, value = results.get()
+    proc.join()
+    if status != "ok":
+        raise RuntimeError(f"benchmark child failed: {value}")
+    return value
 
 
 @contextmanager

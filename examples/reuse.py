@@ -8,7 +8,7 @@ kvconnector. Prints time to first token (TTFT) for both and checks the answers m
 from __future__ import annotations
 
 import argparse
-import gc
+import multiprocessing
 import os
 import random
 import statistics
@@ -53,13 +53,30 @@ def run(model: str, prompts: list[list[int]], args: argparse.Namespace,
         ttfts.append(time.perf_counter() - start)
         answers.append(list(out.outputs[0].token_ids))
         cached.append(out.num_cached_tokens or 0)
-    del llm
-    gc.collect()
     return ttfts, answers, cached
+
+
+def _child(queue, *args) -> None:
+    queue.put(run(*args))
+
+
+def run_in_fresh_process(*args):
+    """One engine per process: vLLM's CPU worker binds threads to cores per process, so two
+    engines built one after the other in one process would not get the same cores."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(queue, *args))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    return result
 
 
 def main() -> None:
     args = parse_args()
+    # vLLM's CPU backend reserves an extra core for engines with a KV connector (and drops
+    # the reservation on small machines): give both runs the same cores.
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1" if not args.model else "0")
     model = args.model
     if model is None:
@@ -77,8 +94,8 @@ def main() -> None:
     kvt = {"kv_connector": "kvconnector", "kv_role": "kv_both",
            "kv_load_failure_policy": "recompute",
            "kv_connector_extra_config": {"memory_capacity": args.memory_capacity}}
-    base_ttft, base_answers, _ = run(model, prompts, args, None)
-    kvc_ttft, kvc_answers, cached = run(model, prompts, args, kvt)
+    base_ttft, base_answers, _ = run_in_fresh_process(model, prompts, args, None)
+    kvc_ttft, kvc_answers, cached = run_in_fresh_process(model, prompts, args, kvt)
 
     print(f"\nmodel {model}: {args.questions} prompts = {args.prefix_tokens}-token shared "
           f"prefix + {args.question_tokens}-token question\n")

@@ -36,6 +36,17 @@ class LayerLayout:
         k, _, n, h, d = self.sizes
         return (k, kernel_blocks_per_chunk * n, h, d)
 
+    def check_chunks(self, chunks: torch.Tensor, num_layers: int,
+                     block_ids: torch.Tensor) -> None:
+        """A chunk buffer must be ``[num_chunks, layers, K, tokens, H, D]`` of the KV dtype."""
+        c, bpc = block_ids.shape
+        k, _, n, h, d = self.sizes
+        want = (c, num_layers, k, bpc * n, h, d)
+        if tuple(chunks.shape) != want:
+            raise ValueError(f"chunk buffer has shape {tuple(chunks.shape)}, expected {want}")
+        if chunks.dtype != self.dtype:
+            raise ValueError(f"chunk buffer dtype {chunks.dtype} != KV dtype {self.dtype}")
+
     def same_geometry(self, other: LayerLayout) -> bool:
         return (self.family, self.dtype, self.kernel_block_size, self.sizes[0], self.sizes[2:]) == (
             other.family, other.dtype, other.kernel_block_size, other.sizes[0], other.sizes[2:])

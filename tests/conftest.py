@@ -28,7 +28,7 @@ def tiny_model() -> str:
 def engine_env(tmp: Path, multiprocess: bool = False) -> dict[str, str]:
     tmp.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    env.update(TMPDIR=str(tmp), HF_HUB_OFFLINE="1",
+    env.update(TMPDIR=str(tmp), HF_HUB_OFFLINE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1",
                VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
                PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="INFO",
                VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # collective_rpc of test functions

@@ -16,13 +16,7 @@ from kvconnector.layout import LayerLayout
 
 def _check(layers: Sequence[torch.Tensor], layout: LayerLayout, block_ids: torch.Tensor,
            chunks: torch.Tensor) -> None:
-    c, bpc = block_ids.shape
-    k, _, n, h, d = layout.sizes
-    want = (c, len(layers), k, bpc * n, h, d)
-    if tuple(chunks.shape) != want:
-        raise ValueError(f"chunk buffer has shape {tuple(chunks.shape)}, expected {want}")
-    if chunks.dtype != layout.dtype:
-        raise ValueError(f"chunk buffer dtype {chunks.dtype} != KV dtype {layout.dtype}")
+    layout.check_chunks(chunks, len(layers), block_ids)
     if block_ids.numel() and int(block_ids.max()) >= layout.num_blocks:
         raise IndexError(f"block id {int(block_ids.max())} >= num_blocks {layout.num_blocks}")
 

@@ -118,13 +118,7 @@ def _check(layers: Sequence[torch.Tensor], layout: LayerLayout, block_ids: torch
                          f"{block_ids.dtype} of shape {tuple(block_ids.shape)}")
     if block_ids.device not in (dev, torch.device("cpu")):
         raise ValueError(f"block_ids are on {block_ids.device}; expected cpu or {dev}")
-    c, bpc = block_ids.shape
-    k, _, n, h, d = layout.sizes
-    want = (c, len(layers), k, bpc * n, h, d)
-    if tuple(chunks.shape) != want:
-        raise ValueError(f"chunk buffer has shape {tuple(chunks.shape)}, expected {want}")
-    if chunks.dtype != layout.dtype:
-        raise ValueError(f"chunk buffer dtype {chunks.dtype} != KV dtype {layout.dtype}")
+    layout.check_chunks(chunks, len(layers), block_ids)
     if not chunks.is_contiguous():
         raise ValueError("chunk buffer must be contiguous")
     first = layers[0]
@@ -142,6 +136,7 @@ def _check(layers: Sequence[torch.Tensor], layout: LayerLayout, block_ids: torch
                 f"{tuple(first.shape)}, {first.stride()}; one launch needs one geometry")
     if block_ids.numel() and int(block_ids.max()) >= layout.num_blocks:
         raise IndexError(f"block id {int(block_ids.max())} >= num_blocks {layout.num_blocks}")
+    k = layout.sizes[0]
     if len(layers) * k > _MAX_GRID_YZ:
         raise ValueError(f"{len(layers)} layers x K={k} exceeds one launch's grid")
     return block_ids.to(dev, non_blocking=True).contiguous()

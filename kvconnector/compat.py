@@ -7,8 +7,6 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from kvconnector.config import ConfigError, ConnectorConfig
 from kvconnector.keys import Fingerprint
 
@@ -122,13 +120,5 @@ def request_block_ids(scheduler_output: SchedulerOutput, req_id: str) -> list[in
     return list(groups[0]) if groups else None
 
 
-def kv_cache_dtype_is_fp8(vllm_config: VllmConfig) -> bool:
-    return str(vllm_config.cache_config.cache_dtype).startswith("fp8")
-
-
 def extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
     return dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-
-
-def torch_dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

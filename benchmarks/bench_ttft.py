@@ -20,6 +20,7 @@ from common import (
     engine,
     in_fresh_process,
     random_prompt,
+    redis_for,
     resolve_model,
     timed_generate,
     write_results,
@@ -39,14 +40,14 @@ def run_config(model: str, args, kvt: dict | None, lengths: list[int],
                prompts: dict[int, list[list[int]]], repeat: bool) -> dict:
     """One engine: TTFT of every prompt (and again, if ``repeat``: hits)."""
     rng = random.Random(9)
-    first, second, cached = {}, {}, {}
+    first, second, first_cached, cached = {}, {}, {}, {}
     with engine(model, args, kvt, max(lengths) + 64, enable_prefix_caching=False) as llm:
         timed_generate(llm, [random_prompt(rng, 300, 400)], 1)
         for n in lengths:
-            first[n], _ = measure(llm, prompts[n])
+            first[n], first_cached[n] = measure(llm, prompts[n])
             if repeat:
                 second[n], cached[n] = measure(llm, prompts[n])
-    return {"first": first, "second": second, "cached": cached}
+    return {"first": first, "second": second, "first_cached": first_cached, "cached": cached}
 
 
 def main() -> None:
@@ -56,7 +57,11 @@ def main() -> None:
     p.add_argument("--lengths", default="512,1024,2048,4096,8192")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--plot", type=Path, default=None)
-    args = p.parse_args()
+    with redis_for(p.parse_args()) as args:
+        bench(args)
+
+
+def bench(args) -> None:
     from tqdm import tqdm
 
     model, vocab = resolve_model(args)
@@ -77,6 +82,7 @@ def main() -> None:
     cached = {"hit from memory": runs["connector"]["cached"]}
     if args.redis_url:
         results["hit from redis"] = runs["redis"]["first"]
+        cached["hit from redis"] = runs["redis"]["first_cached"]
 
     print(f"\nTTFT (s), median of {args.repeats}, model {model}")
     names = list(results)
@@ -85,6 +91,8 @@ def main() -> None:
         print(f"{n:>7} " + " ".join(f"{results[k][n]:>16.4f}" for k in names))
     out = write_results(args.out, "ttft", {"model": model, "lengths": lengths,
                                            "ttft_s": results, "cached_tokens": cached})
+    for k, per_len in cached.items():
+        print(f"  cached tokens, {k}: {per_len}")
     print(f"results: {out}")
     plot = args.plot or out.with_suffix(".png")
     try:

@@ -27,6 +27,8 @@ def add_model_args(p) -> None:
                    help="vLLM's KV budget (default 1 GiB for the tiny model)")
     p.add_argument("--memory-capacity", default="2GiB", help="kvconnector host memory")
     p.add_argument("--redis-url", default=None, help="also measure a Redis tier")
+    p.add_argument("--redis", action="store_true",
+                   help="start a local redis-server (tests/redis_server.py) for the Redis tier")
     p.add_argument("--out", type=Path, default=None, help="JSON results file")
 
 
@@ -42,6 +44,22 @@ def resolve_model(args) -> tuple[str, int]:
     from transformers import AutoConfig
 
     return args.model, min(AutoConfig.from_pretrained(args.model).vocab_size, 30000)
+
+
+@contextmanager
+def redis_for(args):
+    """Yields ``args`` with ``redis_url`` set when ``--redis`` asked for a local server."""
+    if not args.redis:
+        yield args
+        return
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from tests.redis_server import RedisServer
+
+    with RedisServer() as server:
+        args.redis_url = server.url
+        yield args
 
 
 def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:

@@ -8,6 +8,7 @@ kvconnector. Prints time to first token (TTFT) for both and checks the answers m
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing
 import os
 import random
@@ -53,6 +54,8 @@ def run(model: str, prompts: list[list[int]], args: argparse.Namespace,
         ttfts.append(time.perf_counter() - start)
         answers.append(list(out.outputs[0].token_ids))
         cached.append(out.num_cached_tokens or 0)
+    del llm  # shuts the engine's processes down, so this process can exit
+    gc.collect()
     return ttfts, answers, cached
 
 

@@ -36,8 +36,6 @@ class MemoryIndex:
         self._free = list(range(num_slots - 1, -1, -1))
         self._pinned: set[int] = set()
         self.evictions = 0
-        self.hits = 0
-        self.lookups = 0
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -66,7 +64,6 @@ class MemoryIndex:
         slot = self._slots[chunk_hash]
         self._slots.move_to_end(chunk_hash)
         self._pinned.add(slot)
-        self.hits += 1
         return slot
 
     def touch(self, chunk_hash: bytes) -> None:

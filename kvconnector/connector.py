@@ -77,11 +77,16 @@ class KVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, StepPlan)
+        self.worker.handle_preemptions(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        plan = self._get_connector_metadata()
-        assert isinstance(plan, StepPlan)
+        plan = self._plan()
         if plan.loads:
             self.worker.load(plan)
+        if plan.async_loads:
+            self.worker.start_async_loads(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -91,10 +96,18 @@ class KVConnector(KVConnectorBase_V1):
         return  # every layer of a chunk is copied at once in wait_for_save
 
     def wait_for_save(self) -> None:
-        plan = self._get_connector_metadata()
-        assert isinstance(plan, StepPlan)
+        plan = self._plan()
         if plan.saves:
             self.worker.save(plan)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sent, received = self.worker.finished(self._plan())
+        return sent or None, received or None
+
+    def _plan(self) -> StepPlan:
+        plan = self._get_connector_metadata()
+        assert isinstance(plan, StepPlan)
+        return plan
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
@@ -133,3 +146,6 @@ class KVConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request)
+
+    def has_pending_block_frees(self) -> bool:
+        return self.scheduler.has_held_requests()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,8 +34,10 @@ class RequestState:
     skip_reason: str | None
     hashes: list[bytes] = field(default_factory=list)  # chained, one per full chunk
     stored: int = 0  # leading chunks already saved or found in the store
-    # The last Redis answer: (first chunk asked, chunks asked) -> chunks found there.
-    redis_answer: tuple[int, int, int] | None = None
+    saving: bool = False  # saves were planned: on finishing, its blocks wait for them
+    # The last Redis question, (first chunk asked, chunks asked), and its pending answer.
+    redis_question: tuple[int, int] | None = None
+    redis_answer: Future[int] | None = None
 
 
 class SchedulerHalf:
@@ -50,10 +53,15 @@ class SchedulerHalf:
                                                                               config))
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.redis = open_redis(config, for_lookups=True)
+        self._lookups = (ThreadPoolExecutor(1, thread_name_prefix="kvconnector-lookup")
+                         if self.redis is not None else None)
         self.stats = TransferStats()
         self._requests: dict[str, RequestState] = {}
-        self._lookup_start: dict[str, int] = {}
+        self._lookup_start: dict[str, tuple[int, bool]] = {}  # req -> (tokens, async)
         self._loads: list[ChunkTransfer] = []
+        self._async_loads: list[ChunkTransfer] = []
+        self._newly_held: set[str] = set()  # finished since the last plan, blocks held
+        self._held: set[str] = set()  # held until the workers report them sent
         self._evictions_reported = 0
         self.resumed_requests = 0  # preempted requests seen coming back
 
@@ -78,44 +86,65 @@ class SchedulerHalf:
         return st.hashes[:want]
 
     def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int, bool]:
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens the store holds beyond vLLM's own hit. Memory hits load synchronously;
+        a hit that needs Redis loads asynchronously while the request waits in vLLM's
+        WAITING_FOR_REMOTE_KVS. ``None`` (ask again next step) while Redis is asked."""
         st = self._state(request)
         if st.skip_reason:
             return 0, False
         hashes = self._hashes(st, request.num_tokens)
-        stored = self.index.count_prefix(hashes)
+        in_memory = stored = self.index.count_prefix(hashes)
         if self.redis is not None and stored < len(hashes):
-            stored += self._redis_prefix(st, hashes, stored)
-        # A synchronous load must leave at least one token for the forward pass.
+            in_redis = self._redis_prefix(st, hashes, stored)
+            if in_redis is None:
+                return None, False
+            stored += in_redis
+        # A load must leave at least one token for the forward pass.
         last_full_block = (request.num_tokens - 1) // self.block_size * self.block_size
         hit = min(stored * self.config.chunk_size, last_full_block)
-        self._lookup_start[request.request_id] = num_computed_tokens
-        return max(0, hit - num_computed_tokens), False
+        if hit <= num_computed_tokens:
+            return 0, False
+        load_async = hit > in_memory * self.config.chunk_size
+        self._lookup_start[request.request_id] = (num_computed_tokens, load_async)
+        return hit - num_computed_tokens, load_async
 
-    def _redis_prefix(self, st: RequestState, hashes: list[bytes], start: int) -> int:
-        """Chunks after ``start`` that every TP rank holds in Redis: one round trip per
-        request (vLLM may ask again for the same request; the answer is kept)."""
-        assert self.redis is not None
-        if st.redis_answer is None or st.redis_answer[:2] != (start, len(hashes)):
+    def _redis_prefix(self, st: RequestState, hashes: list[bytes], start: int) -> int | None:
+        """Chunks after ``start`` that every TP rank holds in Redis, or None while the
+        lookup thread is still asking. One round trip per request and question."""
+        assert self.redis is not None and self._lookups is not None
+        question = (start, len(hashes))
+        if st.redis_answer is None or st.redis_question != question:
             keys = [ChunkKey(self.fingerprint, rank, h)
                     for h in hashes[start:] for rank in range(self.tp_size)]
-            found = self.redis.exists_prefix(keys, self.config.redis_lookup_budget_ms / 1000)
-            st.redis_answer = (start, len(hashes), found // self.tp_size)
-        return st.redis_answer[2]
+            st.redis_question = question
+            st.redis_answer = self._lookups.submit(
+                self.redis.exists_prefix, keys, self.config.redis_lookup_budget_ms / 1000)
+        if not st.redis_answer.done():
+            return None
+        try:
+            return st.redis_answer.result() // self.tp_size
+        except Exception:  # the store counts its own faults; a failed lookup is a miss
+            logger.debug("kvconnector: Redis lookup failed", exc_info=True)
+            return 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        start = self._lookup_start.pop(request.request_id, None)
-        if num_external_tokens == 0 or start is None:
+        lookup = self._lookup_start.pop(request.request_id, None)
+        if num_external_tokens == 0 or lookup is None:
             return
+        start, load_async = lookup
         st = self._requests[request.request_id]
         end = start + num_external_tokens
         block_ids = blocks.get_block_ids()[0]
         c, bs = self.config.chunk_size, self.block_size
+        planned = self._async_loads if load_async else self._loads
         for ci in range(start // c, -(-end // c)):
             h = st.hashes[ci]
             from_redis = h not in self.index
-            if from_redis:  # promoted into memory: the worker fetches it into this slot
+            if from_redis and not load_async:
+                slot = MISSING_SLOT  # evicted since the lookup: reported and recomputed
+            elif from_redis:  # promoted into memory: the worker fetches it into this slot
                 slot = self.index.allocate(h)
                 if slot is None:
                     slot = MISSING_SLOT
@@ -127,12 +156,14 @@ class SchedulerHalf:
             for j in range(self.blocks_per_chunk):
                 tok = ci * c + j * bs
                 ids.append(block_ids[tok // bs] if start <= tok < end else -1)
-            self._loads.append(ChunkTransfer(request.request_id, h, slot, ids, from_redis))
+            planned.append(ChunkTransfer(request.request_id, h, slot, ids, from_redis))
         self.stats.add(hit_tokens=num_external_tokens)
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
-        plan = StepPlan(loads=self._loads)
-        self._loads = []
+        plan = StepPlan(loads=self._loads, async_loads=self._async_loads,
+                        held=self._newly_held,
+                        preempted=set(scheduler_output.preempted_req_ids or ()))
+        self._loads, self._async_loads, self._newly_held = [], [], set()
         self.resumed_requests += len(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
         c = self.config.chunk_size
         for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -160,6 +191,7 @@ class SchedulerHalf:
                     break
                 blocks = block_ids[ci * self.blocks_per_chunk:(ci + 1) * self.blocks_per_chunk]
                 plan.saves.append(ChunkTransfer(req_id, h, slot, list(blocks)))
+                st.saving = True
             st.stored = n_full
         self.index.unpin_all()
         return plan
@@ -169,16 +201,27 @@ class SchedulerHalf:
         if isinstance(report, WorkerReport):
             for h in report.bad_chunks:
                 self.index.drop(h)
+        self._held.difference_update(output.finished_sending or ())
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
+        """Finished or aborted: a request with saves planned keeps its blocks until the
+        workers have copied them out (they report it in ``finished_sending``)."""
+        st = self._requests.pop(request.request_id, None)
         self._lookup_start.pop(request.request_id, None)
-        return False, None
+        if st is None or not st.saving:
+            return False, None
+        self._newly_held.add(request.request_id)
+        self._held.add(request.request_id)
+        return True, None
+
+    def has_held_requests(self) -> bool:
+        return bool(self._held)
 
     def outstanding(self) -> dict[str, int]:
         """Per-request state still held; all zero once every request has finished."""
         return {"requests": len(self._requests), "lookups": len(self._lookup_start),
-                "planned_loads": len(self._loads), "pinned_slots": self.index.pinned}
+                "planned_loads": len(self._loads) + len(self._async_loads),
+                "pinned_slots": self.index.pinned, "held_requests": len(self._held)}
 
     def take_stats(self) -> TransferStats | None:
         new_evictions = self.index.evictions - self._evictions_reported

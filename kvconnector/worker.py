@@ -1,14 +1,19 @@
-"""Worker half: executes each step's plan between vLLM's paged KV tensors and the pool."""
+"""Worker half: executes each step's plan between vLLM's paged KV tensors and the pool.
+
+Synchronous loads run on the main thread before the forward; saves and loads of requests
+parked in WAITING_FOR_REMOTE_KVS run on the copy thread (``background.py``)."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvconnector import compat, kernels
+from kvconnector.background import CopyThread
 from kvconnector.config import ConnectorConfig
 from kvconnector.keys import ChunkKey
 from kvconnector.layout import LayerLayout, LayoutError, describe_layers
@@ -20,6 +25,8 @@ from kvconnector.store.tiering import RedisTier
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from kvconnector.kernels.host_transfer import HostTransfer
 
 logger = logging.getLogger("kvconnector.worker")
 
@@ -41,6 +48,12 @@ class WorkerHalf:
         self.pool: SlotPool | None = None
         self._ratio = 1
         self.redis_tier: RedisTier | None = None
+        self._host_transfer: HostTransfer | None = None
+        self.copies = CopyThread()
+        self._lock = threading.Lock()  # sets and counters the copy thread also writes
+        self._device_lock = threading.Lock()  # HostTransfer's staging buffer is shared
+        self._held: set[str] = set()  # finished requests waiting for their saves
+        self._received: set[str] = set()  # parked requests whose loads are done
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [n for n in self.layer_names if n not in kv_caches]
@@ -61,7 +74,6 @@ class WorkerHalf:
         redis = open_redis(self.config)
         if redis is not None:
             self.redis_tier = RedisTier(redis, self.pool, self.layout.family)
-        self._host_transfer = None
         if self.layers[0].is_cuda:
             from kvconnector.kernels.host_transfer import HostTransfer
 
@@ -82,94 +94,181 @@ class WorkerHalf:
         expanded[ids < 0] = -1
         return expanded.reshape(1, -1)
 
+    # ---- loads ----
     def load(self, plan: StepPlan) -> None:
-        assert self.pool is not None and self.layout is not None
-        wanted = [(t.slot, self._key(t)) for t in plan.loads if t.from_redis and t.slot >= 0]
-        if wanted and self.redis_tier is not None:
-            start = time.perf_counter()
-            n = self.redis_tier.fetch(wanted)
-            self._count(redis_loaded_chunks=n, redis_misses=len(wanted) - n,
-                        load_seconds=time.perf_counter() - start)
+        """Chunks this step's forward needs, in place before it starts."""
+        self.copies.wait_for_slots(t.slot for t in plan.loads)
         for t in plan.loads:
-            start = time.perf_counter()
-            try:
-                data = self.pool.read(t.slot, self._key(t))
-                self._copy_in(data, self._kernel_block_ids(t.block_ids))
-            except Exception as e:  # a bad chunk costs a recompute, never the request
-                if not isinstance(e, ChunkCorrupt):
-                    logger.exception("kvconnector: loading chunk %s failed", self._key(t))
-                else:
-                    logger.warning("kvconnector: %s; its blocks will be recomputed", e)
+            self._load_chunk(t, on_copy_thread=False)
+
+    def start_async_loads(self, plan: StepPlan) -> None:
+        """One copy-thread job per parked request: fetch from Redis, then fill its blocks."""
+        by_request: dict[str, list[ChunkTransfer]] = {}
+        for t in plan.async_loads:
+            by_request.setdefault(t.req_id, []).append(t)
+        for req_id, transfers in by_request.items():
+            self.copies.submit(lambda r=req_id, ts=transfers: self._load_request(r, ts),
+                               [req_id], [t.slot for t in transfers])
+
+    def _load_request(self, req_id: str, transfers: list[ChunkTransfer]) -> None:
+        try:
+            wanted = [(t.slot, self._key(t)) for t in transfers if t.from_redis and t.slot >= 0]
+            if wanted and self.redis_tier is not None:
+                if self._host_transfer is not None:
+                    # An earlier load may still be copying out of a slot the fetch refills.
+                    self._host_transfer.stream.synchronize()
+                start = time.perf_counter()
+                n = self.redis_tier.fetch(wanted)
+                self._count(redis_loaded_chunks=n, redis_misses=len(wanted) - n,
+                            load_seconds=time.perf_counter() - start)
+            for t in transfers:
+                self._load_chunk(t, on_copy_thread=True)
+        finally:  # vLLM releases the request only once it is reported, failed or not
+            with self._lock:
+                self._received.add(req_id)
+
+    def _load_chunk(self, t: ChunkTransfer, on_copy_thread: bool) -> None:
+        assert self.pool is not None
+        start = time.perf_counter()
+        try:
+            data = self.pool.read(t.slot, self._key(t))
+            self._copy_in(data, self._kernel_block_ids(t.block_ids), on_copy_thread)
+        except Exception as e:  # a bad chunk costs a recompute, never the request
+            if not isinstance(e, ChunkCorrupt):
+                logger.exception("kvconnector: loading chunk %s failed", self._key(t))
+            else:
+                logger.warning("kvconnector: %s; its blocks will be recomputed", e)
+            with self._lock:
                 self._load_errors.update(b for b in t.block_ids if b >= 0)
                 self._bad_chunks.add(t.chunk_hash)
-                self._count(load_errors=1)
-                continue
-            n_blocks = sum(b >= 0 for b in t.block_ids)
-            self._count(loaded_chunks=1, loaded_tokens=n_blocks * self.spec.block_size,
-                        loaded_bytes=self.pool.chunk_bytes * n_blocks // len(t.block_ids),
-                        load_seconds=time.perf_counter() - start)
+            self._count(load_errors=1)
+            return
+        n_blocks = sum(b >= 0 for b in t.block_ids)
+        self._count(loaded_chunks=1, loaded_tokens=n_blocks * self.spec.block_size,
+                    loaded_bytes=self.pool.chunk_bytes * n_blocks // len(t.block_ids),
+                    load_seconds=time.perf_counter() - start)
 
+    # ---- saves ----
     def save(self, plan: StepPlan) -> None:
-        assert self.pool is not None and self.layout is not None
-        for t in plan.saves:
+        """Start copying this step's finished chunks out; the forward pass does not wait.
+
+        vLLM keeps the source blocks alive until the copies are done: running requests own
+        them, finished ones are held (``plan.held``) until ``finished_sending``, and
+        ``handle_preemptions`` waits for a preempted request's copies.
+        """
+        assert self.pool is not None
+        if not plan.saves:
+            return
+        if self._host_transfer is None:
+            self.copies.submit(lambda ts=plan.saves: self._save_chunks(ts),
+                               {t.req_id for t in plan.saves}, [t.slot for t in plan.saves])
+            return
+        for t in plan.saves:  # CUDA: the DMA is queued now, the seal waits for it on the thread
+            self.copies.wait_for_slots([t.slot])
             start = time.perf_counter()
             try:
                 buf = self.pool.begin_write(t.slot)
-                self._copy_out(self._kernel_block_ids(t.block_ids), buf)
-                self.pool.end_write(t.slot, self._key(t))
-                if self.redis_tier is not None:
-                    self.redis_tier.offload(t.slot, self._key(t))
+                with self._device_lock:
+                    done = self._host_transfer.save(self._kernel_block_ids(t.block_ids), buf[None])
             except Exception:
-                logger.exception("kvconnector: saving chunk %s failed", self._key(t))
-                self._bad_chunks.add(t.chunk_hash)
-                self._count(save_errors=1)
+                self._save_failed(t)
                 continue
-            self._count(saved_chunks=1, saved_tokens=self.config.chunk_size,
-                        saved_bytes=self.pool.chunk_bytes,
-                        save_seconds=time.perf_counter() - start)
+            self.copies.submit(lambda t=t, d=done, s=start: self._seal(t, d, s),
+                               [t.req_id], [t.slot])
 
-    def _copy_out(self, block_ids: torch.Tensor, slot: torch.Tensor) -> None:
-        """Blocks -> one host slot, complete on return."""
-        if self._host_transfer is None:
-            kernels.gather(self.layers, self.layout, block_ids, slot[None])
-        else:
-            self._host_transfer.save(block_ids, slot[None]).synchronize()
+    def _save_chunks(self, transfers: list[ChunkTransfer]) -> None:
+        assert self.pool is not None and self.layout is not None
+        for t in transfers:
+            start = time.perf_counter()
+            try:
+                buf = self.pool.begin_write(t.slot)
+                kernels.gather(self.layers, self.layout, self._kernel_block_ids(t.block_ids),
+                               buf[None])
+            except Exception:
+                self._save_failed(t)
+                continue
+            self._seal(t, None, start)
 
-    def _copy_in(self, slot: torch.Tensor, block_ids: torch.Tensor) -> None:
-        """Host slot -> blocks, ordered before the compute stream's next work."""
+    def _seal(self, t: ChunkTransfer, copied: torch.cuda.Event | None, start: float) -> None:
+        assert self.pool is not None
+        try:
+            if copied is not None:
+                copied.synchronize()
+            self.pool.end_write(t.slot, self._key(t))
+            if self.redis_tier is not None:
+                self.redis_tier.offload(t.slot, self._key(t))
+        except Exception:
+            self._save_failed(t)
+            return
+        self._count(saved_chunks=1, saved_tokens=self.config.chunk_size,
+                    saved_bytes=self.pool.chunk_bytes, save_seconds=time.perf_counter() - start)
+
+    def _save_failed(self, t: ChunkTransfer) -> None:
+        logger.exception("kvconnector: saving chunk %s failed", self._key(t))
+        with self._lock:
+            self._bad_chunks.add(t.chunk_hash)
+        self._count(save_errors=1)
+
+    def handle_preemptions(self, plan: StepPlan) -> None:
+        """vLLM may give a preempted request's blocks to others this step: finish reading them."""
+        if plan.preempted:
+            self.copies.wait_for_requests(plan.preempted)
+
+    def finished(self, plan: StepPlan) -> tuple[set[str], set[str]]:
+        """(held requests whose copies are done, parked requests whose loads are done)."""
+        self._held |= plan.held
+        sent = {r for r in self._held if not self.copies.busy(r)}
+        self._held -= sent
+        with self._lock:
+            received, self._received = self._received, set()
+        return sent, received
+
+    def _copy_in(self, slot: torch.Tensor, block_ids: torch.Tensor, on_copy_thread: bool) -> None:
+        """Host slot -> blocks; on the main thread, ordered before the compute stream's next
+        work; on the copy thread, complete on return."""
         if self._host_transfer is None:
             kernels.scatter(slot[None], self.layout, block_ids, self.layers)
-        else:
+            return
+        with self._device_lock:
             done = self._host_transfer.load(slot[None], block_ids)
+        if on_copy_thread:
+            done.synchronize()
+        else:
             torch.cuda.current_stream(self.layers[0].device).wait_event(done)
 
     def _count(self, **counts: float) -> None:
-        self.stats.add(**counts)
-        self.totals.add(**counts)
+        with self._lock:
+            self.stats.add(**counts)
+            self.totals.add(**counts)
 
     def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
         return errors
 
     def take_report(self) -> WorkerReport | None:
-        if not self._bad_chunks:
-            return None
-        report, self._bad_chunks = WorkerReport(self._bad_chunks), set()
+        with self._lock:
+            if not self._bad_chunks:
+                return None
+            report, self._bad_chunks = WorkerReport(self._bad_chunks), set()
         return report
 
     def outstanding(self) -> dict[str, int]:
         """Pending state; all zero between steps once every request has finished."""
         queued = self.redis_tier.queued if self.redis_tier is not None else 0
         return {"load_errors": len(self._load_errors), "bad_chunks": len(self._bad_chunks),
-                "redis_puts_queued": queued}
+                "redis_puts_queued": queued, "copy_jobs": self.copies.pending,
+                "held_requests": len(self._held), "received": len(self._received)}
 
     def shutdown(self) -> None:
+        self.copies.close()
         if self.redis_tier is not None:
             self.redis_tier.flush()
             self.redis_tier.close()
 
     def take_stats(self) -> TransferStats | None:
-        if self.stats.is_empty():
-            return None
-        stats, self.stats = self.stats, TransferStats()
+        with self._lock:
+            if self.stats.is_empty():
+                return None
+            stats, self.stats = self.stats, TransferStats()
         return stats

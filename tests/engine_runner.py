@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -78,9 +79,72 @@ def _stress(llm, step: dict) -> dict:
         n += 1
         if n == step["abort_after_steps"]:
             engine.abort_request(aborted)
-    connector = engine.engine_core.engine_core.scheduler.connector
-    return {"steps": n, "aborted": aborted, "tokens": tokens,
-            "resumed": connector.scheduler.resumed_requests}
+    scheduler = engine.engine_core.engine_core.scheduler
+    # A server's engine loop keeps stepping while finished requests still hold blocks for
+    # their saves; the offline loop above stops as soon as the last output is out.
+    drain_steps = 0
+    while scheduler.has_requests() and drain_steps < 10_000:
+        engine.step()
+        drain_steps += 1
+    return {"steps": n, "drain_steps": drain_steps, "aborted": aborted, "tokens": tokens,
+            "resumed": scheduler.connector.scheduler.resumed_requests}
+
+
+def _race(llm, step: dict) -> dict:
+    """Request ``slow`` (which needs a frozen Redis) and ``fast`` (which needs nothing from
+    it) together; once ``fast`` is done, thaw Redis and finish ``slow``."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request("slow", {"prompt_token_ids": step["slow"]}, sp)
+    engine.add_request("fast", {"prompt_token_ids": step["fast"]}, sp)
+    out: dict = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = {"tokens": list(o.outputs[0].token_ids),
+                                     "cached": o.num_cached_tokens}
+        if "fast" in out and "slow_done_first" not in out:
+            out["slow_done_first"] = "slow" in out
+            _SERVERS[step["port"]].thaw()
+    return out
+
+
+_GATE = threading.Event()
+
+
+def _copy_gate(worker, close: bool) -> bool:
+    """Closed: a job that blocks the worker's copy thread, so every later save or async load
+    stays queued until the gate opens."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    if close:
+        _GATE.clear()
+        get_kv_transfer_group().worker.copies.submit(_GATE.wait, [], [])
+    else:
+        _GATE.set()
+    return True
+
+
+def _preemption_wait(worker) -> dict:
+    """With a finished request's saves stuck behind the closed copy gate, tell the worker the
+    request was preempted: ``handle_preemptions`` must not return before those saves ran."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvconnector.metadata import StepPlan
+
+    half = get_kv_transfer_group().worker
+    pending = list(half.copies._by_request)
+    plan = StepPlan(preempted=set(pending))
+    waiter = threading.Thread(target=half.handle_preemptions, args=(plan,))
+    waiter.start()
+    waiter.join(0.5)
+    returned_while_queued = not waiter.is_alive()
+    _GATE.set()
+    waiter.join(30)
+    return {"pending_requests": len(pending), "returned_while_queued": returned_while_queued,
+            "returned": not waiter.is_alive()}
 
 
 def _scheduler_outstanding(llm) -> dict:
@@ -118,7 +182,8 @@ def _redis_server(port: int, action: str) -> bool:
     from tests.redis_server import RedisServer
 
     server = _SERVERS.setdefault(port, RedisServer(port=port))
-    {"start": server.start, "kill": server.kill, "restart": server.restart}[action]()
+    {"start": server.start, "kill": server.kill, "restart": server.restart,
+     "freeze": server.freeze}[action]()
     return True
 
 
@@ -162,6 +227,12 @@ def _main(spec_path: str, out_path: str) -> None:
             results.append(llm.collective_rpc(_redis_stats)[0])
         elif op == "redis_server":
             results.append(_redis_server(step["port"], step["action"]))
+        elif op == "race":
+            results.append(_race(llm, step))
+        elif op == "copy_gate":
+            results.append(llm.collective_rpc(_copy_gate, args=(step["close"],)))
+        elif op == "preemption_wait":
+            results.append(llm.collective_rpc(_preemption_wait)[0])
         elif op == "sleep":
             time.sleep(step["seconds"])
             results.append(True)

@@ -165,6 +165,43 @@ def test_bad_config_stops_engine_start(tiny_model, tmp_path_factory, extra, mess
     assert message in str(e.value)
 
 
+def test_saves_run_behind_the_forward_pass(tiny_model, tmp_path_factory, fp32_baseline):
+    res = run_engine(tmp_path_factory.mktemp("gate"), {
+        "model": tiny_model, "connector": MEM, "steps": [
+            {"op": "copy_gate", "close": True},  # 0: the copy thread is stuck from here
+            {"op": "generate", "prompts": [P1]},  # 1: must finish anyway
+            {"op": "totals"},  # 2
+            {"op": "outstanding"},  # 3
+            {"op": "copy_gate", "close": False},  # 4
+            {"op": "generate", "prompts": [P1]},  # 5: loads what the thread then saved
+            {"op": "totals"},  # 6
+            {"op": "outstanding"}]})  # 7
+    assert res[1][0]["tokens"] == fp32_baseline["P1"]
+    assert res[2]["saved_chunks"] == 0, "the forward pass waited for its saves"
+    assert res[3]["scheduler"]["held_requests"] == 1, "finished request's blocks not held"
+    assert res[3]["workers"][0]["copy_jobs"] >= 1  # the save job, behind the gate
+    assert res[5][0]["cached"] == 2 * CHUNK
+    assert res[5][0]["tokens"] == fp32_baseline["P1"]
+    assert res[6]["saved_chunks"] == 2 and res[6]["loaded_chunks"] == 2
+    assert all(v == 0 for v in res[7]["scheduler"].values()), res[7]
+    assert all(v == 0 for w in res[7]["workers"] for v in w.values()), res[7]
+
+
+def test_preempted_request_waits_for_its_queued_saves(tiny_model, tmp_path_factory):
+    """vLLM may hand a preempted request's blocks to another request in the same step, so
+    ``handle_preemptions`` must return only once the copies reading them are done."""
+    res = run_engine(tmp_path_factory.mktemp("preempt-wait"), {
+        "model": tiny_model, "connector": MEM, "steps": [
+            {"op": "copy_gate", "close": True},
+            {"op": "generate", "prompts": [P1]},
+            {"op": "preemption_wait"},
+            {"op": "totals"}]})
+    wait, totals = res[2], res[3]
+    assert wait["pending_requests"] == 1
+    assert not wait["returned_while_queued"]
+    assert wait["returned"] and totals["saved_chunks"] == 2
+
+
 def test_no_state_leaks_after_preemptions_and_aborts(tiny_model, tmp_path_factory):
     prompts = [prompt(200 + i, 600) for i in range(12)]
     spec = {"model": tiny_model, "kv_cache_bytes": 3 << 20, "max_model_len": 1024,

@@ -47,6 +47,32 @@ def test_second_engine_serves_first_engines_chunks(tiny_model, tmp_path_factory,
     assert out["tokens"] == baseline[0]
 
 
+def test_frozen_redis_holds_up_only_the_request_that_needs_it(tiny_model, tmp_path_factory,
+                                                                baseline):
+    """Lookups and loads from Redis are asynchronous: with Redis frozen (SIGSTOP) a request
+    that needs nothing from it completes, and the one that does is then served from Redis.
+    A scheduler that waited on the network could only have given up on Redis (a miss)."""
+    port = free_port()
+    short = prompt(15, 100)  # under one chunk: nothing to look up
+    extra = {"memory_capacity": "1MiB",  # 4 fp32 chunks: P1 leaves memory, stays in Redis
+             "redis_url": f"redis://127.0.0.1:{port}", "redis_lookup_budget_ms": 60_000}
+    res = run_engine(tmp_path_factory.mktemp("redis-frozen"), {
+        "model": tiny_model, "connector": extra, "steps": [
+            {"op": "redis_server", "port": port, "action": "start"},  # 0
+            {"op": "generate", "prompts": [P1, P2, P3, P4]},  # 1
+            {"op": "flush"},  # 2
+            {"op": "totals"},  # 3
+            {"op": "redis_server", "port": port, "action": "freeze"},  # 4
+            {"op": "race", "slow": P1, "fast": short, "port": port},  # 5
+            {"op": "totals"}]})  # 6
+    race, before, after = res[5], res[3], res[6]
+    assert "fast" in race and not race["slow_done_first"]
+    assert race["slow"]["cached"] == 2 * CHUNK
+    assert race["slow"]["tokens"] == baseline[0]
+    assert after["redis_loaded_chunks"] - before["redis_loaded_chunks"] == 2
+    assert after["load_errors"] == 0
+
+
 def test_redis_faults_cost_misses_not_requests(tiny_model, tmp_path_factory, baseline):
     port = free_port()
     extra = {"memory_capacity": "64MiB", "redis_url": f"redis://127.0.0.1:{port}"}

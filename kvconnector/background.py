@@ -1,0 +1,80 @@
+"""The worker's copy thread: saves and asynchronous loads run here, off the forward pass.
+
+One thread, first in first out, so two jobs touching one slot always run in the order the
+scheduler planned them. The worker asks it to wait only where vLLM is about to reuse memory a
+job still reads (a preempted request's blocks) or where the main thread reads a slot a job is
+still writing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+logger = logging.getLogger("kvconnector.background")
+
+
+class CopyThread:
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvconnector-copy")
+        self._lock = threading.Lock()
+        self._by_slot: dict[int, Future[None]] = {}  # the last job touching each slot
+        self._by_request: dict[str, set[Future[None]]] = {}
+
+    def submit(self, job: Callable[[], None], req_ids: Iterable[str],
+               slots: Iterable[int]) -> None:
+        """Run ``job`` after every job submitted before it. It must not raise: a failed copy
+        is a cache miss, which the job itself reports."""
+        future = self._executor.submit(job)
+        req_ids, slots = set(req_ids), [s for s in slots if s >= 0]
+        with self._lock:
+            for s in slots:
+                self._by_slot[s] = future
+            for r in req_ids:
+                self._by_request.setdefault(r, set()).add(future)
+        future.add_done_callback(lambda f: self._forget(f, req_ids, slots))
+
+    def _forget(self, future: Future[None], req_ids: set[str], slots: list[int]) -> None:
+        if future.exception() is not None:
+            logger.error("kvconnector: a background copy failed", exc_info=future.exception())
+        with self._lock:
+            for s in slots:
+                if self._by_slot.get(s) is future:
+                    del self._by_slot[s]
+            for r in req_ids:
+                pending = self._by_request.get(r)
+                if pending is not None:
+                    pending.discard(future)
+                    if not pending:
+                        del self._by_request[r]
+
+    def busy(self, req_id: str) -> bool:
+        with self._lock:
+            return req_id in self._by_request
+
+    def wait_for_slots(self, slots: Iterable[int]) -> None:
+        with self._lock:
+            futures = [f for s in slots if (f := self._by_slot.get(s)) is not None]
+        for f in futures:
+            f.exception()  # waits; failures were logged by _forget
+
+    def wait_for_requests(self, req_ids: Iterable[str]) -> None:
+        with self._lock:
+            futures = [f for r in req_ids for f in self._by_request.get(r, ())]
+        for f in futures:
+            f.exception()
+
+    def drain(self) -> None:
+        """Wait for every job submitted so far."""
+        self._executor.submit(lambda: None).result()
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len({f for fs in self._by_request.values() for f in fs}
+                       | set(self._by_slot.values()))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)

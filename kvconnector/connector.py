@@ -118,6 +118,8 @@ class KVConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         half = self._worker or self._scheduler

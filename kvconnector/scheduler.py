@@ -214,6 +214,12 @@ class SchedulerHalf:
         self._held.add(request.request_id)
         return True, None
 
+    def shutdown(self) -> None:
+        if self._lookups is not None:
+            self._lookups.shutdown(wait=False, cancel_futures=True)
+        if self.redis is not None:
+            self.redis.close()
+
     def has_held_requests(self) -> bool:
         return bool(self._held)
 

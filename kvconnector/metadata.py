@@ -19,6 +19,7 @@ class ChunkTransfer:
     """
 
     req_id: str
+    index: int  # the chunk's position in the request
     chunk_hash: bytes
     slot: int
     block_ids: list[int]
@@ -44,10 +45,21 @@ class StepPlan(KVConnectorMetadata):
 
 @dataclass
 class WorkerReport(KVConnectorWorkerMetadata):
-    """Workers -> scheduler: chunks that proved unusable, to be forgotten."""
+    """Workers -> scheduler: chunks that proved unusable, to be forgotten, and per request
+    the first chunk whose load failed (never planned again for that request)."""
 
     bad_chunks: set[bytes] = field(default_factory=set)
+    failed_loads: dict[str, int] = field(default_factory=dict)
+
+    def note_failed_load(self, req_id: str, index: int) -> None:
+        self.failed_loads[req_id] = min(index, self.failed_loads.get(req_id, index))
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
         assert isinstance(other, WorkerReport)
-        return WorkerReport(self.bad_chunks | other.bad_chunks)
+        out = WorkerReport(self.bad_chunks | other.bad_chunks, dict(self.failed_loads))
+        for req_id, index in other.failed_loads.items():
+            out.note_failed_load(req_id, index)
+        return out
+
+    def __bool__(self) -> bool:
+        return bool(self.bad_chunks or self.failed_loads)

@@ -34,6 +34,9 @@ class RequestState:
     skip_reason: str | None
     hashes: list[bytes] = field(default_factory=list)  # chained, one per full chunk
     stored: int = 0  # leading chunks already saved or found in the store
+    # Chunks from this index on are never loaded for this request: a load of that chunk
+    # failed once, and vLLM asks again after it recomputes from the failure.
+    load_limit: int | None = None
     saving: bool = False  # saves were planned: on finishing, its blocks wait for them
     # The last Redis question, (first chunk asked, chunks asked), and its pending answer.
     redis_question: tuple[int, int] | None = None
@@ -93,7 +96,7 @@ class SchedulerHalf:
         st = self._state(request)
         if st.skip_reason:
             return 0, False
-        hashes = self._hashes(st, request.num_tokens)
+        hashes = self._hashes(st, request.num_tokens)[:st.load_limit]
         in_memory = stored = self.index.count_prefix(hashes)
         if self.redis is not None and stored < len(hashes):
             in_redis = self._redis_prefix(st, hashes, stored)
@@ -156,7 +159,7 @@ class SchedulerHalf:
             for j in range(self.blocks_per_chunk):
                 tok = ci * c + j * bs
                 ids.append(block_ids[tok // bs] if start <= tok < end else -1)
-            planned.append(ChunkTransfer(request.request_id, h, slot, ids, from_redis))
+            planned.append(ChunkTransfer(request.request_id, ci, h, slot, ids, from_redis))
         self.stats.add(hit_tokens=num_external_tokens)
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
@@ -190,7 +193,7 @@ class SchedulerHalf:
                 if slot is None:
                     break
                 blocks = block_ids[ci * self.blocks_per_chunk:(ci + 1) * self.blocks_per_chunk]
-                plan.saves.append(ChunkTransfer(req_id, h, slot, list(blocks)))
+                plan.saves.append(ChunkTransfer(req_id, ci, h, slot, list(blocks)))
                 st.saving = True
             st.stored = n_full
         self.index.unpin_all()
@@ -201,6 +204,11 @@ class SchedulerHalf:
         if isinstance(report, WorkerReport):
             for h in report.bad_chunks:
                 self.index.drop(h)
+            for req_id, index in report.failed_loads.items():
+                st = self._requests.get(req_id)
+                if st is not None:
+                    st.load_limit = min(index, st.load_limit if st.load_limit is not None
+                                        else index)
         self._held.difference_update(output.finished_sending or ())
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:

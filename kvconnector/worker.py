@@ -42,7 +42,7 @@ class WorkerHalf:
         self.stats = TransferStats()  # since the last report to vLLM
         self.totals = TransferStats()  # since start-up
         self._load_errors: set[int] = set()
-        self._bad_chunks: set[bytes] = set()
+        self._report = WorkerReport()  # since the last step's report
         self.layers: list[torch.Tensor] = []
         self.layout: LayerLayout | None = None
         self.pool: SlotPool | None = None
@@ -140,7 +140,8 @@ class WorkerHalf:
                 logger.warning("kvconnector: %s; its blocks will be recomputed", e)
             with self._lock:
                 self._load_errors.update(b for b in t.block_ids if b >= 0)
-                self._bad_chunks.add(t.chunk_hash)
+                self._report.bad_chunks.add(t.chunk_hash)
+                self._report.note_failed_load(t.req_id, t.index)
             self._count(load_errors=1)
             return
         n_blocks = sum(b >= 0 for b in t.block_ids)
@@ -206,7 +207,7 @@ class WorkerHalf:
     def _save_failed(self, t: ChunkTransfer) -> None:
         logger.exception("kvconnector: saving chunk %s failed", self._key(t))
         with self._lock:
-            self._bad_chunks.add(t.chunk_hash)
+            self._report.bad_chunks.add(t.chunk_hash)
         self._count(save_errors=1)
 
     def handle_preemptions(self, plan: StepPlan) -> None:
@@ -248,15 +249,16 @@ class WorkerHalf:
 
     def take_report(self) -> WorkerReport | None:
         with self._lock:
-            if not self._bad_chunks:
+            if not self._report:
                 return None
-            report, self._bad_chunks = WorkerReport(self._bad_chunks), set()
+            report, self._report = self._report, WorkerReport()
         return report
 
     def outstanding(self) -> dict[str, int]:
         """Pending state; all zero between steps once every request has finished."""
         queued = self.redis_tier.queued if self.redis_tier is not None else 0
-        return {"load_errors": len(self._load_errors), "bad_chunks": len(self._bad_chunks),
+        return {"load_errors": len(self._load_errors), "bad_chunks": len(self._report.bad_chunks),
+                "failed_loads": len(self._report.failed_loads),
                 "redis_puts_queued": queued, "copy_jobs": self.copies.pending,
                 "held_requests": len(self._held), "received": len(self._received)}
 

@@ -40,10 +40,17 @@ def run_engine(tmp: Path, spec: dict, *, multiprocess: bool = False, timeout: in
     tmp.mkdir(parents=True, exist_ok=True)
     spec_path, out_path = tmp / "spec.json", tmp / "out.json"
     spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "engine_runner.py"), str(spec_path),
-         str(out_path)], env=engine_env(tmp, multiprocess), capture_output=True, text=True,
-        timeout=timeout)
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "engine_runner.py"), str(spec_path),
+             str(out_path)], env=engine_env(tmp, multiprocess), capture_output=True,
+            text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+                      for x in (e.stdout, e.stderr))
+        (tmp / "engine.log").write_text(log)
+        raise RuntimeError(f"engine run did not finish within {timeout} s (a request that "
+                           f"never finishes?):\n{log[-3000:]}") from None
     (tmp / "engine.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")

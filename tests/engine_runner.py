@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -166,10 +167,72 @@ def _redis_stats(worker) -> dict:
     return get_kv_transfer_group().worker.redis_tier.redis.snapshot()
 
 
+def _redis_keys(llm, step: dict) -> list[list[str]]:
+    """The Redis key of every full chunk of each prompt (TP rank 0), for tests that tamper
+    with stored values."""
+    from kvconnector.keys import ChunkKey, chunk_hashes, request_seed
+
+    half = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+    seed = request_seed(half.fingerprint, None)
+    prefix = half.config.redis_key_prefix
+    return [[f"{prefix}:{ChunkKey(half.fingerprint, 0, h)}"
+             for h in chunk_hashes(p, half.config.chunk_size, seed)]
+            for p in step["prompts"]]
+
+
+def _run_to_completion(engine, deadline: float) -> dict:
+    out: dict = {}
+    while engine.has_unfinished_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"requests still unfinished: {sorted(out)} done")
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = {"tokens": list(o.outputs[0].token_ids),
+                                     "cached": o.num_cached_tokens}
+    return out
+
+
+def _fault_while_parked(llm, step: dict) -> dict:
+    """Requests whose hit is in Redis wait (copy thread held by the gate) until all of them
+    are parked in WAITING_FOR_REMOTE_KVS, i.e. the lookup said the chunks are there; then
+    Redis is killed (``kill``) or time passes (``sleep``, keys expiring), the gate opens and
+    every request must finish within ``timeout_s``."""
+    from vllm import SamplingParams
+    from vllm.v1.request import RequestStatus
+
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    deadline = time.monotonic() + step.get("timeout_s", 60)
+    llm.collective_rpc(_copy_gate, args=(True,))
+    ids = [f"parked-{i}" for i in range(len(step["prompts"]))]
+    for rid, p in zip(ids, step["prompts"], strict=True):
+        engine.add_request(rid, {"prompt_token_ids": p}, sp)
+
+    def statuses() -> list[RequestStatus | None]:
+        # vLLM appends a random suffix to each request id inside the engine.
+        by_id = {r.request_id.rsplit("-", 1)[0]: r.status for r in scheduler.requests.values()}
+        return [by_id.get(r) for r in ids]
+
+    # Step until the scheduler has every request and every lookup has answered.
+    while time.monotonic() < deadline and any(
+            s in (None, RequestStatus.WAITING) for s in statuses()):
+        engine.step()
+    n_parked = statuses().count(RequestStatus.WAITING_FOR_REMOTE_KVS)
+    if step["fault"] == "kill":
+        os.kill(step["pid"], signal.SIGKILL)
+    else:
+        time.sleep(step["seconds"])
+    llm.collective_rpc(_copy_gate, args=(False,))
+    out = _run_to_completion(engine, time.monotonic() + step.get("timeout_s", 60))
+    return {"parked": n_parked, "tokens": [out[r]["tokens"] for r in ids]}
+
+
 def main(spec_path: str, out_path: str) -> None:
     try:
         _main(spec_path, out_path)
     finally:
+        _GATE.set()  # a copy thread left waiting on the gate would block the exit
         for server in _SERVERS.values():
             server.stop()
 
@@ -233,6 +296,10 @@ def _main(spec_path: str, out_path: str) -> None:
             results.append(llm.collective_rpc(_copy_gate, args=(step["close"],)))
         elif op == "preemption_wait":
             results.append(llm.collective_rpc(_preemption_wait)[0])
+        elif op == "redis_keys":
+            results.append(_redis_keys(llm, step))
+        elif op == "fault_while_parked":
+            results.append(_fault_while_parked(llm, step))
         elif op == "sleep":
             time.sleep(step["seconds"])
             results.append(True)

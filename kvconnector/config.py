@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
+
+from kvconnector.store.codec import MIN_SECRET_BYTES
+
+# Secrets are named by an environment variable or a file, never given in the config:
+# vLLM prints kv_connector_extra_config in its start-up log.
+_SECRETS = ("redis_password", "chunk_mac_key")
 
 DEFAULT_CHUNK_SIZE = 256
 DEFAULT_MEMORY_CAPACITY = 2 << 30
@@ -56,6 +64,16 @@ class ConnectorConfig:
     redis_lookup_budget_ms: float = 50.0
     """Time the scheduler may spend asking Redis what it holds for one request; over it is
     a miss."""
+    redis_password_env: str | None = None
+    """Name of an environment variable holding the Redis password (kept out of vLLM's
+    logs, which print this config)."""
+    redis_password_file: str | None = None
+    """A file holding the Redis password (the same, for mounted secrets)."""
+    chunk_mac_key_env: str | None = None
+    """Name of an environment variable holding a secret shared by the engines that share
+    Redis: every value is then signed, and values without a valid signature are misses."""
+    chunk_mac_key_file: str | None = None
+    """A file holding that secret."""
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -99,13 +117,52 @@ class ConnectorConfig:
                     f"redis_key_prefix: expected letters, digits, '_', '.', ':' or '-', "
                     f"got {v!r}")
             values["redis_key_prefix"] = v
+        for secret in _SECRETS:
+            env, path = extra.get(f"{secret}_env"), extra.get(f"{secret}_file")
+            if env is not None and path is not None:
+                raise ConfigError(f"give {secret}_env or {secret}_file, not both")
+            if env is not None or path is not None:
+                if not extra.get("redis_url"):
+                    raise ConfigError(f"{secret}_{'env' if env else 'file'} needs redis_url")
+                for key, v in ((f"{secret}_env", env), (f"{secret}_file", path)):
+                    if v is not None:
+                        if not isinstance(v, str) or not v:
+                            raise ConfigError(f"{key}: expected a non-empty string, got {v!r}")
+                        values[key] = v
         for key in ("redis_ttl_s", "redis_lookup_budget_ms"):
             if extra.get(key) is not None:
                 v = extra[key]
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                     raise ConfigError(f"{key}: expected a positive number, got {v!r}")
                 values[key] = float(v)
-        return cls(**values)
+        config = cls(**values)
+        for secret in _SECRETS:
+            config.secret(secret)  # present and usable now, not at the first Redis call
+        return config
+
+    def secret(self, name: str) -> bytes | None:
+        """The secret ``name`` ("redis_password" or "chunk_mac_key") from the environment
+        variable or file the config names; None if it names neither. Never logged."""
+        env, path = getattr(self, f"{name}_env"), getattr(self, f"{name}_file")
+        if env is not None:
+            value = os.environ.get(env)
+            if not value:
+                raise ConfigError(f"{name}_env: the environment variable {env} is not set "
+                                  "(or empty) in this process")
+            data = value.encode()
+        elif path is not None:
+            try:
+                data = Path(path).read_bytes().rstrip(b"\r\n")
+            except OSError as e:
+                raise ConfigError(f"{name}_file: cannot read {path}: {e.strerror}") from None
+            if not data:
+                raise ConfigError(f"{name}_file: {path} is empty")
+        else:
+            return None
+        if name == "chunk_mac_key" and len(data) < MIN_SECRET_BYTES:
+            raise ConfigError(f"{name}: the secret has {len(data)} bytes; use at least "
+                              f"{MIN_SECRET_BYTES} (e.g. 32 random bytes, base64-encoded)")
+        return data
 
     def check_block_size(self, block_size: int) -> None:
         if self.chunk_size % block_size:

@@ -252,6 +252,7 @@ def _redis_server(port: int, action: str) -> bool:
 
 def _main(spec_path: str, out_path: str) -> None:
     spec = json.load(open(spec_path))
+    os.environ.update(spec.get("env", {}))  # e.g. secrets the connector config names
     from vllm import LLM, SamplingParams
 
     kw = dict(model=spec["model"], dtype=spec.get("dtype", "float32"),

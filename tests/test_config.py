@@ -48,3 +48,37 @@ def test_chunk_size_must_be_a_multiple_of_block_size():
     cfg.check_block_size(8)
     with pytest.raises(ConfigError, match="block_size=16.*valid choices include \\[16, 32"):
         cfg.check_block_size(16)
+
+
+REDIS = {"redis_url": "redis://127.0.0.1:6379"}
+
+
+def test_secrets_come_from_the_environment_or_a_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVC_TEST_PW", "pw-from-env")
+    (tmp_path / "mac").write_text("a-shared-secret-of-32-characters\n")
+    cfg = ConnectorConfig.from_extra_config(
+        {**REDIS, "redis_password_env": "KVC_TEST_PW",
+         "chunk_mac_key_file": str(tmp_path / "mac")})
+    assert cfg.secret("redis_password") == b"pw-from-env"
+    assert cfg.secret("chunk_mac_key") == b"a-shared-secret-of-32-characters"
+    # The config (which vLLM prints) names where the secrets are, never what they are.
+    assert "pw-from-env" not in repr(cfg) and "shared-secret" not in repr(cfg)
+    assert ConnectorConfig.from_extra_config(REDIS).secret("redis_password") is None
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({**REDIS, "redis_password_env": "KVC_TEST_UNSET"},
+     "redis_password_env: the environment variable KVC_TEST_UNSET is not set"),
+    ({**REDIS, "redis_password_file": "/nonexistent/pw"},
+     "redis_password_file: cannot read /nonexistent/pw"),
+    ({**REDIS, "redis_password_env": "X", "redis_password_file": "/x"},
+     "give redis_password_env or redis_password_file, not both"),
+    ({"chunk_mac_key_env": "KVC_TEST_MAC"}, "chunk_mac_key_env needs redis_url"),
+    ({**REDIS, "chunk_mac_key_env": "KVC_TEST_SHORT"},
+     "chunk_mac_key: the secret has 5 bytes; use at least 16"),
+])
+def test_bad_secrets_name_the_key(monkeypatch, extra, message):
+    monkeypatch.delenv("KVC_TEST_UNSET", raising=False)
+    monkeypatch.setenv("KVC_TEST_SHORT", "short")
+    with pytest.raises(ConfigError, match=message):
+        ConnectorConfig.from_extra_config(extra)

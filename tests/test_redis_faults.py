@@ -4,15 +4,19 @@ test instead of stalling CI). Each fault costs one failed load per request, then
 
 from __future__ import annotations
 
+import struct
+
+import msgpack
 import pytest
 
+from kvconnector.store import codec
 from tests.conftest import prompt, run_engine
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.engine
 
 CHUNK = 256
-SWAP_A, SWAP_B, EMPTY, HUGE, INTACT = (prompt(300 + i, 600) for i in range(5))
+SWAP_A, SWAP_B, EMPTY, HUGE, INTACT, FORGED = (prompt(300 + i, 600) for i in range(6))
 PARKED = [prompt(310 + i, 600) for i in range(12)]  # the kill between lookup and fetch
 TIMEOUT_S = 180  # a request that never finishes ends the engine run here
 
@@ -22,22 +26,37 @@ def baseline(tiny_model, tmp_path_factory):
     res = run_engine(tmp_path_factory.mktemp("faults-base"), {
         "model": tiny_model, "connector": None,
         "steps": [{"op": "generate", "prompts": [SWAP_A, SWAP_B, EMPTY, HUGE, INTACT,
-                                                 *PARKED]}]})
+                                                 *PARKED, FORGED]}]})
     return [r["tokens"] for r in res[0]]
+
+
+def _forge(client, target_key: str, donor_key: str) -> None:
+    """What anyone who can write to Redis can do: another chunk's value under the target's
+    key, its header rewritten to claim that key (the CRC still matches), no valid MAC."""
+    value = client.get(donor_key)
+    prefix_len = codec.PREFIX_LEN + struct.unpack_from("<4sI", value)[1]
+    header = msgpack.unpackb(value[codec.PREFIX_LEN:prefix_len])
+    header["key"] = target_key.split(":", 1)[1]
+    header.pop(codec.MAC_FIELD, None)
+    client.set(target_key, codec.PREFIX.pack(codec.MAGIC, len(packed := msgpack.packb(
+        header))) + packed + value[prefix_len:])
 
 
 @pytest.fixture(scope="module")
 def tampered(tiny_model, tmp_path_factory):
-    """A first engine stores every prompt in Redis; the test damages the first chunk of
-    some; a second engine (empty memory) asks for all of them, then Redis is killed while
-    twelve requests wait for chunks it said it held."""
+    """A first engine stores every prompt in Redis, signed with a shared secret; the test
+    damages the first chunk of some and forges one; an engine holding the secret reads the
+    forged one; a second engine without it (empty memory) asks for all of them, then Redis
+    is killed while twelve requests wait for chunks it said it held."""
     with RedisServer() as server:
         # A generous lookup budget: every lookup must answer, however busy the machine.
         extra = {"memory_capacity": "64MiB", "redis_url": server.url,
                  "redis_lookup_budget_ms": 10_000}
-        prompts = [SWAP_A, SWAP_B, EMPTY, HUGE, INTACT, *PARKED]
+        signed = {**extra, "chunk_mac_key_env": "KVC_TEST_MAC"}
+        env = {"KVC_TEST_MAC": "a-shared-secret-of-32-characters"}
+        prompts = [SWAP_A, SWAP_B, EMPTY, HUGE, INTACT, *PARKED, FORGED]
         writer = run_engine(tmp_path_factory.mktemp("faults-writer"), {
-            "model": tiny_model, "connector": extra, "steps": [
+            "model": tiny_model, "connector": signed, "env": env, "steps": [
                 {"op": "generate", "prompts": prompts}, {"op": "flush"},
                 {"op": "redis_keys", "prompts": prompts}]})
         keys = writer[2]
@@ -47,21 +66,28 @@ def tampered(tiny_model, tmp_path_factory):
         c.set(keys[1][0], a)
         c.set(keys[2][0], b"")
         c.set(keys[3][0], c.get(keys[3][0]) + bytes(20 << 20))  # 20 MB more than it says
+        _forge(c, keys[-1][0], keys[4][0])
+        with_secret = run_engine(tmp_path_factory.mktemp("faults-signed"), {
+            "model": tiny_model, "connector": signed, "env": env, "steps": [
+                {"op": "generate", "prompts": [FORGED, INTACT]},
+                {"op": "redis_stats"}]}, timeout=TIMEOUT_S)
+        _forge(c, keys[-1][0], keys[4][0])  # the engine above replaced it with its own
         reader = run_engine(tmp_path_factory.mktemp("faults-reader"), {
             "model": tiny_model, "connector": extra, "steps": [
-                {"op": "generate", "prompts": [SWAP_A, SWAP_B, EMPTY, HUGE, INTACT]},  # 0
+                {"op": "generate",
+                 "prompts": [SWAP_A, SWAP_B, EMPTY, HUGE, INTACT, FORGED]},  # 0
                 {"op": "totals"}, {"op": "redis_stats"},  # 1, 2
                 {"op": "fault_while_parked", "prompts": PARKED, "fault": "kill",
                  "pid": server.proc.pid},  # 3
                 {"op": "totals"}]}, timeout=TIMEOUT_S)  # 4
-        return writer, reader
+        return writer, reader, with_secret
 
 
 def test_damaged_first_chunks_cost_one_recompute(tampered, baseline):
-    writer, reader = tampered
+    writer, reader, _ = tampered
     outs, totals, stats = reader[0], reader[1], reader[2]
     assert [r["tokens"] for r in writer[0]] == baseline
-    assert [r["tokens"] for r in outs] == baseline[:5]
+    assert [r["tokens"] for r in outs[:5]] == baseline[:5]
     assert outs[4]["cached"] == 2 * CHUNK, "the intact prompt is served from Redis"
     assert [r["cached"] for r in outs[:4]] == [0, 0, 0, 0]
     # One failed load per damaged prompt: never planned again for the same request.
@@ -72,10 +98,10 @@ def test_damaged_first_chunks_cost_one_recompute(tampered, baseline):
 
 
 def test_redis_killed_between_lookup_and_fetch(tampered, baseline):
-    _, reader = tampered
+    _, reader, _ = tampered
     parked, before, after = reader[3], reader[1], reader[4]
     assert parked["parked"] == len(PARKED), "the lookup was meant to find every chunk"
-    assert parked["tokens"] == baseline[5:]
+    assert parked["tokens"] == baseline[5:-1]
     # Both chunks of each request failed once, and were never planned again.
     assert after["load_errors"] - before["load_errors"] == 2 * len(PARKED)
 
@@ -97,3 +123,16 @@ def test_keys_expiring_while_the_request_waits(tiny_model, tmp_path_factory, bas
     assert parked["parked"] == 1, "the lookup was meant to find the chunks in Redis"
     assert parked["tokens"] == baseline[:1]
     assert stats["misses"] >= 2 and totals["load_errors"] >= 1
+
+
+def test_forged_value_is_refused_with_a_shared_secret(tampered, baseline):
+    _, reader, with_secret = tampered
+    (forged, intact), stats = with_secret
+    assert forged["tokens"] == baseline[-1] and forged["cached"] == 0
+    assert stats["corrupt_reasons"] == {"mac": 1}
+    assert intact["cached"] == 2 * CHUNK  # signed values load
+    assert intact["tokens"] == baseline[4]
+    # Without the secret the same forgery is loaded and changes the answer: what the
+    # MAC is for (a CRC does not stop it).
+    unsigned = reader[0][5]
+    assert unsigned["cached"] == 2 * CHUNK and unsigned["tokens"] != baseline[-1]

@@ -383,6 +383,52 @@ def test_wrong_type_is_a_miss_not_an_exception(store, redis_server):
     assert s["errors"] == 1 and s["misses"] == 1 and not store.in_backoff
 
 
+# ---- authenticated values -------------------------------------------------------------
+
+MAC_KEY = codec.mac_key(b"a-shared-secret-of-32-characters")
+
+
+def test_codec_mac_round_trip_and_forgery():
+    exp, payload = make_chunk(5, 4096, seed=5)
+    value = codec.encode(exp, payload, mac_key=MAC_KEY)
+    assert bytes(codec.parse(value, exp, mac_key=MAC_KEY)) == payload
+    assert bytes(codec.parse(value, exp)) == payload  # readers without a key check the CRC
+    # What anyone with write access can make: right key and CRC, no (or a wrong) MAC.
+    forged = [codec.encode(exp, payload),
+              codec.encode(exp, payload, mac_key=codec.mac_key(b"another-secret-16b")),
+              value[:-1] + bytes([value[-1] ^ 1])]
+    for bad in forged:
+        with pytest.raises(CorruptValue) as info:
+            codec.parse(bad, exp, mac_key=MAC_KEY)
+        assert info.value.reason == "mac"
+    # The MAC covers the header too: another chunk's signed value is refused by key first,
+    # and a header edited to claim this key no longer matches its MAC.
+    other, other_payload = make_chunk(6, 4096, seed=6)
+    signed_other = codec.encode(other, other_payload, mac_key=MAC_KEY)
+    with pytest.raises(CorruptValue, match="key"):
+        codec.parse(signed_other, exp, mac_key=MAC_KEY)
+    fields = msgpack.unpackb(signed_other[8:codec.PREFIX_LEN + struct.unpack_from(
+        "<4sI", signed_other)[1]])
+    fields.update(key=exp.key, crc32=codec.checksum(other_payload))
+    with pytest.raises(CorruptValue, match="mac"):
+        codec.parse(raw_value(fields, other_payload), exp, mac_key=MAC_KEY)
+    with pytest.raises(ValueError, match="at least 16"):
+        codec.mac_key(b"short")
+
+
+def test_store_with_mac_key_loads_only_signed_values(redis_server):
+    exp, payload = make_chunk(1, 64 * 1024, seed=1)
+    forged_exp, forged_payload = make_chunk(2, 64 * 1024, seed=2)
+    with RedisStore.from_url(redis_server.url, mac_key=MAC_KEY) as s:
+        prefix = codec.encode_header(exp, payload, mac_key=MAC_KEY)
+        assert s.put_many([(exp.key, prefix, payload)]) == 1
+        redis_server.client().set(s.redis_key(forged_exp.key),
+                                  codec.encode(forged_exp, forged_payload))
+        got = s.get_many([exp.key, forged_exp.key], [exp, forged_exp])
+        assert bytes(got[0]) == payload and got[1] is None
+        assert s.snapshot()["corrupt_reasons"] == {"mac": 1}
+
+
 # ---- URLs and logs --------------------------------------------------------------------
 
 def test_url_password_db_and_unix_socket():

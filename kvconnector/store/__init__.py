@@ -5,7 +5,8 @@ configured, sits behind the memory tier and is shared by every engine that point
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, Any
 
 from kvconnector.store.memory import ChunkCorrupt, MemoryIndex, SlotPool
 
@@ -15,6 +16,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ChunkCorrupt", "MemoryIndex", "SlotPool", "open_redis"]
 
+logger = logging.getLogger("kvconnector.store")
+
 
 def open_redis(config: ConnectorConfig, *, for_lookups: bool = False) -> RedisStore | None:
     """The Redis tier of this process, if configured (connects lazily, never raises later).
@@ -23,10 +26,21 @@ def open_redis(config: ConnectorConfig, *, for_lookups: bool = False) -> RedisSt
     the lookup budget."""
     if not config.redis_url:
         return None
-    from kvconnector.store.redis_store import RedisStore
+    from kvconnector.store import codec
+    from kvconnector.store.redis_store import RedisStore, url_has_password
 
-    kw = {}
+    kw: dict[str, Any] = {}
     if for_lookups:
         kw["connect_timeout_s"] = config.redis_lookup_budget_ms / 1000
+        if url_has_password(config.redis_url):
+            logger.warning("kvconnector: redis_url carries a password, and vLLM prints "
+                           "kv_connector_extra_config in its start-up log; give it with "
+                           "redis_password_env or redis_password_file instead")
+    password = config.secret("redis_password")
+    if password is not None:
+        kw["password"] = password.decode()
+    secret = config.secret("chunk_mac_key")
+    if secret is not None:
+        kw["mac_key"] = codec.mac_key(secret)
     return RedisStore.from_url(config.redis_url, key_prefix=config.redis_key_prefix,
                                ttl_s=config.redis_ttl_s, **kw)

@@ -14,6 +14,15 @@ The header is a msgpack map with exactly these fields:
     ``nbytes``  the payload length in bytes (int)
     ``crc32``   ``zlib.crc32`` of the payload (int; the memory tier's ``checksum`` value)
 
+and, when the writer has a MAC key (``mac_key``), one more:
+
+    ``mac``     keyed BLAKE3 (hex) over the other fields and the payload
+
+A CRC32 catches accidents (a bit flipped in memory or on the wire, a value cut short). It
+does not stop anyone who can write to Redis: a forged value under another chunk's key with
+a matching CRC passes every other check. A reader with a MAC key accepts only values whose
+MAC it can verify, so only holders of the secret can place chunks it will load.
+
 The header goes first so that the payload can be sent as its own buffer, never copied into
 one joined value (``encode_header``), and so that a reader can check everything but the
 checksum before it reads the payload (``check_prefix``/``check_header``/``check_payload``,
@@ -22,12 +31,14 @@ which ``parse`` chains). Nothing here unpickles: the header is msgpack with smal
 
 from __future__ import annotations
 
+import hmac
 import struct
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import blake3
 import msgpack
 
 MAGIC = b"KVC1"
@@ -38,11 +49,15 @@ MAX_HEADER_LEN = 4096
 MAX_STR_LEN = 512
 MAX_DIMS = 8
 FIELDS = frozenset({"v", "key", "layout", "dtype", "shape", "nbytes", "crc32"})
+MAC_FIELD = "mac"
+MAC_BYTES = 32
+MIN_SECRET_BYTES = 16
+_MAC_CONTEXT = "kvconnector chunk MAC v1"
 
 #: Every ``CorruptValue.reason``, in the order ``parse`` checks them.
 REASONS = ("too_short", "bad_magic", "header_too_long", "truncated", "header_unpack",
            "header_fields", "version", "key", "layout", "dtype", "shape", "nbytes",
-           "too_large", "checksum")
+           "too_large", "checksum", "mac")
 
 
 class CorruptValue(ValueError):
@@ -77,36 +92,55 @@ def checksum(payload: Any) -> int:
     return zlib.crc32(_as_bytes_view(payload))
 
 
+def mac_key(secret: bytes) -> bytes:
+    """The MAC key for a shared secret (at least ``MIN_SECRET_BYTES`` bytes)."""
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"the secret has {len(secret)} bytes; use at least "
+                         f"{MIN_SECRET_BYTES}")
+    return blake3.blake3(secret, derive_key_context=_MAC_CONTEXT).digest()
+
+
+def _mac(key: bytes, fields: Mapping[str, Any], payload: Any) -> str:
+    signed = msgpack.packb([fields[f] for f in sorted(FIELDS)], use_bin_type=True)
+    h = blake3.blake3(signed, key=key)
+    h.update(payload)
+    return h.hexdigest()
+
+
 def encode_header(chunk: ExpectedChunk, payload: Any = None, *,
-                  crc32: int | None = None) -> bytes:
+                  crc32: int | None = None, mac_key: bytes | None = None) -> bytes:
     """The value's prefix (magic, header length, header) for ``payload``.
 
     Pass ``crc32`` when the payload's checksum is already known (the memory tier keeps it);
-    otherwise it is computed here and ``payload`` is required. The payload itself is not
-    copied: send it as a separate buffer after the prefix.
+    otherwise it is computed here and ``payload`` is required. With ``mac_key`` the header
+    also carries the value's MAC (``payload`` required). The payload itself is not copied:
+    send it as a separate buffer after the prefix.
     """
+    if (crc32 is None or mac_key is not None) and payload is None:
+        raise ValueError("encode_header needs the payload to checksum or sign it")
     if payload is not None:
         nbytes = _as_bytes_view(payload).nbytes
         if nbytes != chunk.nbytes:
             raise ValueError(f"payload has {nbytes} bytes, chunk {chunk.key} expects "
                              f"{chunk.nbytes}")
     if crc32 is None:
-        if payload is None:
-            raise ValueError("encode_header needs the payload or its crc32")
         crc32 = checksum(payload)
-    header = msgpack.packb({
+    fields: dict[str, Any] = {
         "v": FORMAT_VERSION, "key": chunk.key, "layout": chunk.layout, "dtype": chunk.dtype,
         "shape": [int(d) for d in chunk.shape], "nbytes": int(chunk.nbytes),
         "crc32": int(crc32) & 0xFFFFFFFF,
-    }, use_bin_type=True)
+    }
+    if mac_key is not None:
+        fields[MAC_FIELD] = _mac(mac_key, fields, _as_bytes_view(payload))
+    header = msgpack.packb(fields, use_bin_type=True)
     if len(header) > MAX_HEADER_LEN:
         raise ValueError(f"header of {len(header)} bytes exceeds {MAX_HEADER_LEN}")
     return PREFIX.pack(MAGIC, len(header)) + header
 
 
-def encode(chunk: ExpectedChunk, payload: Any) -> bytes:
+def encode(chunk: ExpectedChunk, payload: Any, *, mac_key: bytes | None = None) -> bytes:
     """A whole value as one bytes object (tests and tools; the store sends pieces)."""
-    return encode_header(chunk, payload) + bytes(_as_bytes_view(payload))
+    return encode_header(chunk, payload, mac_key=mac_key) + bytes(_as_bytes_view(payload))
 
 
 def check_prefix(prefix: bytes | memoryview, value_len: int) -> int:
@@ -153,9 +187,12 @@ def check_header(header: bytes | memoryview, expected: ExpectedChunk) -> Mapping
     if not isinstance(fields, dict):
         raise CorruptValue("header_fields", f"header is a {type(fields).__name__}")
     names = set(fields)
-    if names != FIELDS:
+    if names - {MAC_FIELD} != FIELDS:
         raise CorruptValue("header_fields", f"missing {sorted(FIELDS - names)}, "
                                             f"extra {sorted(map(str, names - FIELDS))}")
+    if MAC_FIELD in names and not (isinstance(fields[MAC_FIELD], str)
+                                   and len(fields[MAC_FIELD]) == 2 * MAC_BYTES):
+        raise CorruptValue("header_fields", f"bad {MAC_FIELD}")
     for name, ok in _FIELD_TYPES.items():
         if not ok(fields[name]):
             raise CorruptValue("header_fields", f"bad {name}: {fields[name]!r}")
@@ -180,22 +217,33 @@ def check_payload_len(header: Mapping[str, Any], payload_len: int) -> None:
         raise CorruptValue("too_large", f"payload {payload_len} > {header['nbytes']} bytes")
 
 
-def check_payload(header: Mapping[str, Any], payload: memoryview) -> None:
+def check_payload(header: Mapping[str, Any], payload: memoryview,
+                  mac_key: bytes | None = None) -> None:
+    """The payload's length, then its MAC when the reader has a key (which makes the CRC
+    redundant), else its CRC32."""
     check_payload_len(header, payload.nbytes)
+    if mac_key is not None:
+        if MAC_FIELD not in header:
+            raise CorruptValue("mac", "the value carries no MAC")
+        if not hmac.compare_digest(_mac(mac_key, header, payload), header[MAC_FIELD]):
+            raise CorruptValue("mac", "the MAC does not match")
+        return
     crc = zlib.crc32(payload)
     if crc != header["crc32"]:
         raise CorruptValue("checksum", f"crc32 {crc:#010x} != {header['crc32']:#010x}")
 
 
-def parse(value: bytes | bytearray | memoryview, expected: ExpectedChunk) -> memoryview:
+def parse(value: bytes | bytearray | memoryview, expected: ExpectedChunk, *,
+          mac_key: bytes | None = None) -> memoryview:
     """Validate a whole value; return its payload as a view (no copy) or raise
     ``CorruptValue``. Checks, in order: length, magic, header length limit, header
-    (unpack, fields, version, key, layout, dtype, shape, nbytes), payload length, checksum.
+    (unpack, fields, version, key, layout, dtype, shape, nbytes), payload length, then
+    the MAC (with ``mac_key``) or the checksum.
     """
     mv = _as_bytes_view(value)
     header_len = check_prefix(mv[:PREFIX_LEN], mv.nbytes)
     end = PREFIX_LEN + header_len
     header = check_header(mv[PREFIX_LEN:end], expected)
     payload = mv[end:]
-    check_payload(header, payload)
+    check_payload(header, payload, mac_key)
     return payload

@@ -108,6 +108,11 @@ def redact_url(url: str) -> str:
     return _SECRET_RE.sub(lambda m: f"{m.group(1)}=***", out)
 
 
+def url_has_password(url: str) -> bool:
+    """Whether ``url`` carries a password (userinfo or a secret query key)."""
+    return redact_url(url) != url
+
+
 @dataclass
 class RedisStoreStats:
     """Counters since the store was made. ``puts``/``put_failed``, ``gets``, ``hits`` and
@@ -360,7 +365,7 @@ class RedisStore:
                  cluster: bool = False, max_connections: int = 8,
                  backoff_initial_s: float = 0.5, backoff_max_s: float = 30.0,
                  lookup_timeout_streak: int = 3, seed: int | None = None,
-                 **redis_kwargs: Any) -> None:
+                 mac_key: bytes | None = None, **redis_kwargs: Any) -> None:
         scheme = url.split("://", 1)[0].lower() if "://" in url else ""
         if scheme not in _SCHEMES:
             raise ValueError(f"unsupported Redis URL {redact_url(url)!r}: use redis://, "
@@ -382,6 +387,7 @@ class RedisStore:
         self.cluster = cluster
         self.max_connections = max_connections
         self.lookup_timeout_streak = lookup_timeout_streak
+        self.mac_key = mac_key
         self.stats = RedisStoreStats()
         self._lock = threading.Lock()
         self._slots: queue.SimpleQueue = queue.SimpleQueue()  # one token per connection
@@ -431,6 +437,8 @@ class RedisStore:
         finds none free within its time counts as ``busy`` and is a miss.
         ``backoff_initial_s``/``backoff_max_s``: the backoff after a fault (jitter +-20%).
         ``lookup_timeout_streak``: lookups over budget in a row that count as a fault.
+        ``mac_key``: ``codec.mac_key(secret)``; values read must carry a valid MAC (the
+        writer signs them with ``codec.encode_header(..., mac_key=store.mac_key)``).
         Other keyword arguments go to redis-py's connection pool (e.g. ``ssl_ca_certs``).
         """
         return cls(url, **kwargs)
@@ -656,7 +664,7 @@ class RedisStore:
             left = 2
             w.read_crlf()
             left = 0
-            codec.check_payload(header, payload)
+            codec.check_payload(header, payload, self.mac_key)
             return payload
         except CorruptValue as c:
             w.skip(left)

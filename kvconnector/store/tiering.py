@@ -76,8 +76,10 @@ class RedisTier:
             return  # the slot was reused before its turn came: nothing to copy
         # If the slot is overwritten while it is being sent, the value's checksum no longer
         # matches its bytes and every reader rejects (and deletes) it.
-        prefix = encode_header(self.expected(key), crc32=header.checksum)
-        self.redis.put_many([(key, prefix, self.pool.slot_bytes(slot))])
+        payload = self.pool.slot_bytes(slot)
+        prefix = encode_header(self.expected(key), payload, crc32=header.checksum,
+                               mac_key=self.redis.mac_key)
+        self.redis.put_many([(key, prefix, payload)])
 
     @property
     def queued(self) -> int:

@@ -24,8 +24,6 @@ from pathlib import Path
 
 logger = logging.getLogger("kvconnector.standin")
 
-REAL_MODEL = "mistralai/Mistral-7B-Instruct-v0.2"
-
 
 @dataclasses.dataclass(frozen=True)
 class Mistral7B:
@@ -43,14 +41,6 @@ class Mistral7B:
     rms_norm_eps: float = 1e-5
     bos_token_id: int = 1
     eos_token_id: int = 2
-
-    def kv_bytes_per_token_per_layer(self, dtype_bytes: int = 2) -> int:
-        return 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
-
-    def chunk_bytes(self, chunk_tokens: int = 256, dtype_bytes: int = 2,
-                    num_layers: int | None = None) -> int:
-        layers = self.num_hidden_layers if num_layers is None else num_layers
-        return layers * chunk_tokens * self.kv_bytes_per_token_per_layer(dtype_bytes)
 
 
 MISTRAL_7B = Mistral7B()
@@ -162,9 +152,9 @@ def _write_weights(path: Path, cfg: dict, seed: int) -> None:
 
     gen = torch.Generator().manual_seed(seed)
     std = cfg["initializer_range"]
-    h, kv = cfg["hidden_size"], cfg["num_key_value_heads"] * MISTRAL_7B.head_dim
-    q, inter, vocab = cfg["num_attention_heads"] * MISTRAL_7B.head_dim, \
-        cfg["intermediate_size"], cfg["vocab_size"]
+    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    q = cfg["num_attention_heads"] * MISTRAL_7B.head_dim
+    kv = cfg["num_key_value_heads"] * MISTRAL_7B.head_dim
 
     def normal(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(shape, generator=gen) * std * scale).to(torch.bfloat16)

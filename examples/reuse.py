@@ -1,8 +1,13 @@
-"""Prefix reuse demo: many questions over one long shared document, with and without
-kvconnector. Prints time to first token (TTFT) for both and checks the answers match.
+"""Prefix reuse demo: questions about one long report, asked through the chat template, with
+and without kvconnector. Prints time to first token (TTFT) for both and checks that the
+answers match token for token.
 
-    python examples/reuse.py                      # tiny random-weight Mistral, built offline
+    python examples/reuse.py                   # Mistral-7B stand-in, built offline
     python examples/reuse.py --model mistralai/Mistral-7B-Instruct-v0.2 --prefix-tokens 6000
+
+The default model is Mistral-7B-Instruct-v0.2's stand-in (kvconnector/standin.py): its real
+tokenizer, chat template and attention geometry with random weights and 2 layers, so the
+prompts are real text through the real tokenizer and the answers are meaningless text.
 """
 
 from __future__ import annotations
@@ -11,59 +16,85 @@ import argparse
 import gc
 import multiprocessing
 import os
-import random
 import statistics
 import time
+
+QUESTIONS = [
+    "Which machine kept a record of every letter it had seen?",
+    "What did they measure after moving the bridge?",
+    "Who wrote the ledger down twice?",
+    "What happens to the oldest request when the cache is full?",
+    "Summarise the report in one sentence.",
+    "Which committee was busy by noon?",
+    "What could be shared between the library and the harbour?",
+    "Name three things the report compares.",
+]
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="model path or name (default: build a tiny Mistral)")
-    p.add_argument("--prefix-tokens", type=int, default=3072, help="shared prefix length")
-    p.add_argument("--questions", type=int, default=6)
-    p.add_argument("--question-tokens", type=int, default=48)
+    p.add_argument("--model", help="model path or name (default: the Mistral-7B stand-in)")
+    p.add_argument("--prefix-tokens", type=int, default=3072,
+                   help="length of the shared report, in tokens")
+    p.add_argument("--questions", type=int, default=6, choices=range(2, len(QUESTIONS) + 1),
+                   metavar=f"2..{len(QUESTIONS)}")
+    p.add_argument("--answer-tokens", type=int, default=24,
+                   help="greedy answer length compared between the two runs")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--memory-capacity", default="1GiB", help="kvconnector host memory")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="vLLM's own KV budget (default: 256 MiB for the tiny model)")
+                   help="vLLM's own KV budget (default: 256 MiB for the stand-in)")
     return p.parse_args()
 
 
-def make_prompts(tokenizer_vocab: int, args: argparse.Namespace) -> list[list[int]]:
-    rng = random.Random(0)
-    lo, hi = 10, min(tokenizer_vocab, 30000) - 1
-    prefix = [rng.randrange(lo, hi) for _ in range(args.prefix_tokens)]
-    return [prefix + [rng.randrange(lo, hi) for _ in range(args.question_tokens)]
-            for _ in range(args.questions)]
+def make_conversations(model: str, args: argparse.Namespace) -> list[list[dict]]:
+    """A report of about ``--prefix-tokens`` tokens, then one question per conversation."""
+    from transformers import AutoTokenizer
+
+    from kvconnector.standin import sample_text
+
+    tok = AutoTokenizer.from_pretrained(model)
+    sentences = max(1, args.prefix_tokens // 16)
+    report = sample_text(0, sentences)
+    while len(tok.encode(report)) < args.prefix_tokens:
+        sentences += max(1, sentences // 10)
+        report = sample_text(0, sentences)
+    system = "Answer from this report only.\n\n" + report
+    return [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+            for q in QUESTIONS[:args.questions]]
 
 
-def run(model: str, prompts: list[list[int]], args: argparse.Namespace,
-        kv_transfer_config: dict | None) -> tuple[list[float], list[list[int]], list[int]]:
+def run(model: str, conversations: list[list[dict]], args: argparse.Namespace,
+        kv_transfer_config: dict | None) -> dict:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=args.dtype, enable_prefix_caching=False,
-              max_model_len=args.prefix_tokens + args.question_tokens + 64,
-              kv_transfer_config=kv_transfer_config,
+              max_model_len=args.prefix_tokens + 1024, kv_transfer_config=kv_transfer_config,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes)
-    sp = SamplingParams(temperature=0, max_tokens=1)
-    ttfts, answers, cached = [], [], []
-    for p in prompts:
+    first_token = SamplingParams(temperature=0, max_tokens=1)
+    ttfts, cached, prompt_lens = [], [], []
+    for conv in conversations:
         start = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
+        out = llm.chat(conv, first_token, use_tqdm=False)[0]
         ttfts.append(time.perf_counter() - start)
-        answers.append(list(out.outputs[0].token_ids))
         cached.append(out.num_cached_tokens or 0)
+        prompt_lens.append(len(out.prompt_token_ids))
+    answer = SamplingParams(temperature=0, max_tokens=args.answer_tokens, ignore_eos=True)
+    answers = [llm.chat(conv, answer, use_tqdm=False)[0].outputs[0]
+               for conv in (conversations[0], conversations[-1])]
     del llm  # shuts the engine's processes down, so this process can exit
     gc.collect()
-    return ttfts, answers, cached
+    return {"ttft": ttfts, "cached": cached, "prompt_tokens": prompt_lens,
+            "answer_ids": [list(a.token_ids) for a in answers],
+            "answer_text": [a.text for a in answers]}
 
 
 def _child(queue, *args) -> None:
     queue.put(run(*args))
 
 
-def run_in_fresh_process(*args):
+def run_in_fresh_process(*args) -> dict:
     """One engine per process: vLLM's CPU worker binds threads to cores per process, so two
     engines built one after the other in one process would not get the same cores."""
     ctx = multiprocessing.get_context("spawn")
@@ -81,36 +112,36 @@ def main() -> None:
     # the reservation on small machines): give both runs the same cores.
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1" if not args.model else "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep vLLM's start-up logs out
     model = args.model
     if model is None:
-        from kvconnector.tiny_model import build_tiny_mistral
+        from kvconnector.standin import build_mistral_standin
 
-        model = str(build_tiny_mistral(os.path.join(".cache", "tiny-mistral")))
-        vocab = 400
+        print("model: the Mistral-7B stand-in in .cache/ (built on first use, about 15 s)")
+        model = str(build_mistral_standin(os.path.join(".cache", "mistral-7b-standin")))
         if args.kv_cache_memory_bytes is None:
             args.kv_cache_memory_bytes = 256 << 20
-    else:
-        from transformers import AutoConfig
-
-        vocab = AutoConfig.from_pretrained(model).vocab_size
-    prompts = make_prompts(vocab, args)
+    conversations = make_conversations(model, args)
     kvt = {"kv_connector": "kvconnector", "kv_role": "kv_both",
            "kv_load_failure_policy": "recompute",
            "kv_connector_extra_config": {"memory_capacity": args.memory_capacity}}
-    base_ttft, base_answers, _ = run_in_fresh_process(model, prompts, args, None)
-    kvc_ttft, kvc_answers, cached = run_in_fresh_process(model, prompts, args, kvt)
+    base = run_in_fresh_process(model, conversations, args, None)
+    kvc = run_in_fresh_process(model, conversations, args, kvt)
 
-    print(f"\nmodel {model}: {args.questions} prompts = {args.prefix_tokens}-token shared "
-          f"prefix + {args.question_tokens}-token question\n")
-    print(f"{'prompt':>6} {'TTFT no cache (s)':>18} {'TTFT kvconnector (s)':>21} "
+    print(f"\nmodel {args.model or 'Mistral-7B stand-in (random weights)'}: {args.questions} "
+          f"chats of about {base['prompt_tokens'][0]} tokens, the same report and one question "
+          f"each\n")
+    print(f"{'chat':>4} {'TTFT no cache (s)':>18} {'TTFT kvconnector (s)':>21} "
           f"{'tokens from store':>18}")
-    for i, (a, b, c) in enumerate(zip(base_ttft, kvc_ttft, cached, strict=True)):
-        print(f"{i:>6} {a:>18.3f} {b:>21.3f} {c:>18}")
-    warm_base, warm_kvc = statistics.median(base_ttft[1:]), statistics.median(kvc_ttft[1:])
-    print(f"\nmedian TTFT after the first prompt: {warm_base:.3f} s without, {warm_kvc:.3f} s "
+    for i, (a, b, c) in enumerate(zip(base["ttft"], kvc["ttft"], kvc["cached"], strict=True)):
+        print(f"{i:>4} {a:>18.3f} {b:>21.3f} {c:>18}")
+    warm_base, warm_kvc = statistics.median(base["ttft"][1:]), statistics.median(kvc["ttft"][1:])
+    print(f"\nmedian TTFT after the first chat: {warm_base:.3f} s without, {warm_kvc:.3f} s "
           f"with kvconnector ({warm_base / warm_kvc:.1f}x faster)")
-    same = base_answers == kvc_answers
-    print(f"greedy answers identical: {same}")
+    print(f"last question: {conversations[-1][1]['content']!r}")
+    print(f"its answer:    {kvc['answer_text'][1][:70]!r}")
+    same = base["answer_ids"] == kvc["answer_ids"]
+    print(f"greedy answers identical ({args.answer_tokens} tokens): {same}")
     if not same:
         raise SystemExit("answers differ between the runs")
 

@@ -35,14 +35,16 @@ def engine_env(tmp: Path, multiprocess: bool = False) -> dict[str, str]:
     return env
 
 
-def run_engine(tmp: Path, spec: dict, *, multiprocess: bool = False, timeout: int = 600):
-    """Run tests/engine_runner.py in a fresh process and return its step results."""
+def run_engine(tmp: Path, spec: dict, *, multiprocess: bool = False, timeout: int = 600,
+               runner: str = "engine_runner.py"):
+    """Run tests/engine_runner.py (or another runner) in a fresh process and return its step
+    results."""
     tmp.mkdir(parents=True, exist_ok=True)
     spec_path, out_path = tmp / "spec.json", tmp / "out.json"
     spec_path.write_text(json.dumps(spec))
     try:
         proc = subprocess.run(
-            [sys.executable, str(ROOT / "tests" / "engine_runner.py"), str(spec_path),
+            [sys.executable, str(ROOT / "tests" / runner), str(spec_path),
              str(out_path)], env=engine_env(tmp, multiprocess), capture_output=True,
             text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:

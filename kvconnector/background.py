@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 logger = logging.getLogger("kvconnector.background")
 
@@ -37,7 +37,7 @@ class CopyThread:
         future.add_done_callback(lambda f: self._forget(f, req_ids, slots))
 
     def _forget(self, future: Future[None], req_ids: set[str], slots: list[int]) -> None:
-        if future.exception() is not None:
+        if not future.cancelled() and future.exception() is not None:
             logger.error("kvconnector: a background copy failed", exc_info=future.exception())
         with self._lock:
             for s in slots:
@@ -76,5 +76,12 @@ class CopyThread:
             return len({f for fs in self._by_request.values() for f in fs}
                        | set(self._by_slot.values()))
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
+    def close(self, timeout_s: float) -> bool:
+        """Drop the jobs not started (the engine is stopping: unsaved chunks are misses
+        later) and wait at most ``timeout_s`` for the running one. True if it finished."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            running = {f for fs in self._by_request.values() for f in fs} | set(
+                self._by_slot.values())
+        _, not_done = wait(running, timeout=timeout_s)
+        return not not_done

@@ -26,6 +26,15 @@ class ConfigError(ValueError):
     """A ``kv_connector_extra_config`` entry is unknown or has a bad value."""
 
 
+def _human(n: int, up: bool = False) -> str:
+    """A size as the config would be written, e.g. '4MiB' (rounded up with ``up``)."""
+    for unit, m in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= m:
+            q = -(-n // m) if up else n / m
+            return f"{q:g}{unit}" if up or n % m == 0 else f"{q:.1f}{unit}"
+    return f"{n}B"
+
+
 def parse_size(key: str, value: Any) -> int:
     """Bytes from an int or a string such as ``"512MiB"`` or ``"4GB"``."""
     if isinstance(value, bool):
@@ -163,6 +172,24 @@ class ConnectorConfig:
             raise ConfigError(f"{name}: the secret has {len(data)} bytes; use at least "
                               f"{MIN_SECRET_BYTES} (e.g. 32 random bytes, base64-encoded)")
         return data
+
+    def memory_slots(self, chunk_bytes: int) -> int:
+        """How many chunks of ``chunk_bytes`` the memory tier holds; at least one."""
+        if self.memory_capacity < chunk_bytes:
+            raise ConfigError(
+                f"memory_capacity={_human(self.memory_capacity)} holds no chunk: one chunk "
+                f"of {self.chunk_size} tokens is {_human(chunk_bytes)} for this model; use "
+                f"at least {_human(chunk_bytes, up=True)!r} (or a smaller chunk_size)")
+        return self.memory_capacity // chunk_bytes
+
+    def check_memory_available(self, available: int, total: int) -> None:
+        """Refuse a memory tier larger than the memory this machine can give now (the pool
+        is touched at start-up: too large a pool gets the process killed)."""
+        if self.memory_capacity > available:
+            raise ConfigError(
+                f"memory_capacity={_human(self.memory_capacity)} is more than this machine "
+                f"can give: {_human(available)} available now, of {_human(total)}; lower it "
+                f"(it is taken per worker, at start-up)")
 
     def check_block_size(self, block_size: int) -> None:
         if self.chunk_size % block_size:

@@ -52,8 +52,8 @@ class SchedulerHalf:
         self.block_size = spec.block_size
         self.blocks_per_chunk = config.chunk_size // spec.block_size
         self.fingerprint = compat.fingerprint(vllm_config, kv_cache_config, config).digest()
-        self.index = MemoryIndex(config.memory_capacity // compat.chunk_bytes(kv_cache_config,
-                                                                              config))
+        self.index = MemoryIndex(config.memory_slots(compat.chunk_bytes(kv_cache_config,
+                                                                         config)))
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.redis = open_redis(config, for_lookups=True)
         self._lookups = (ThreadPoolExecutor(1, thread_name_prefix="kvconnector-lookup")

@@ -20,6 +20,7 @@ from kvconnector.layout import LayerLayout, LayoutError, describe_layers
 from kvconnector.metadata import ChunkTransfer, StepPlan, WorkerReport
 from kvconnector.stats import TransferStats
 from kvconnector.store import ChunkCorrupt, SlotPool, open_redis
+from kvconnector.store.memory import host_memory
 from kvconnector.store.tiering import RedisTier
 
 if TYPE_CHECKING:
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvconnector.worker")
 
+# vLLM gives a stopping engine a few seconds (none by default) before it kills it.
+SHUTDOWN_BUDGET_S = 1.0
+
 
 class WorkerHalf:
     def __init__(self, config: ConnectorConfig, vllm_config: VllmConfig,
@@ -38,7 +42,8 @@ class WorkerHalf:
         self.layer_names, self.spec = compat.attention_group(kv_cache_config)
         self.fingerprint = compat.fingerprint(vllm_config, kv_cache_config, config).digest()
         self.tp_rank = compat.tp_rank()
-        self.num_slots = config.memory_capacity // compat.chunk_bytes(kv_cache_config, config)
+        self.num_slots = config.memory_slots(compat.chunk_bytes(kv_cache_config, config))
+        config.check_memory_available(*host_memory())
         self.stats = TransferStats()  # since the last report to vLLM
         self.totals = TransferStats()  # since start-up
         self._load_errors: set[int] = set()
@@ -263,10 +268,12 @@ class WorkerHalf:
                 "held_requests": len(self._held), "received": len(self._received)}
 
     def shutdown(self) -> None:
-        self.copies.close()
+        """Within ``SHUTDOWN_BUDGET_S``: what is queued and not started is dropped."""
+        deadline = time.monotonic() + SHUTDOWN_BUDGET_S
+        if not self.copies.close(SHUTDOWN_BUDGET_S / 2):
+            logger.warning("kvconnector: a copy job outlasted the shutdown budget")
         if self.redis_tier is not None:
-            self.redis_tier.flush()
-            self.redis_tier.close()
+            self.redis_tier.close(max(0.0, deadline - time.monotonic()))
 
     def take_stats(self) -> TransferStats | None:
         with self._lock:

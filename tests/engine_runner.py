@@ -228,6 +228,18 @@ def _fault_while_parked(llm, step: dict) -> dict:
     return {"parked": n_parked, "tokens": [out[r]["tokens"] for r in ids]}
 
 
+def _shutdown_connector(worker) -> dict:
+    """The worker half's shutdown, timed, with whatever is still queued for Redis."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    half = get_kv_transfer_group().worker
+    queued = half.redis_tier.queued
+    start = time.monotonic()
+    half.shutdown()
+    return {"queued": queued, "seconds": time.monotonic() - start,
+            "dropped": half.redis_tier.dropped_puts}
+
+
 def main(spec_path: str, out_path: str) -> None:
     try:
         _main(spec_path, out_path)
@@ -301,6 +313,8 @@ def _main(spec_path: str, out_path: str) -> None:
             results.append(_redis_keys(llm, step))
         elif op == "fault_while_parked":
             results.append(_fault_while_parked(llm, step))
+        elif op == "shutdown_connector":
+            results.append(llm.collective_rpc(_shutdown_connector)[0])
         elif op == "sleep":
             time.sleep(step["seconds"])
             results.append(True)

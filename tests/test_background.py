@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from kvconnector.background import CopyThread
 
@@ -14,7 +15,7 @@ def test_jobs_run_in_submission_order_and_are_forgotten():
     copies.drain()
     assert order == list(range(20))
     assert copies.pending == 0 and not copies.busy("r0")
-    copies.close()
+    assert copies.close(1.0)
 
 
 def test_waits_cover_exactly_the_named_requests_and_slots():
@@ -32,7 +33,7 @@ def test_waits_cover_exactly_the_named_requests_and_slots():
     assert not waiter.is_alive()
     copies.wait_for_requests(["stuck"])
     assert copies.pending == 0
-    copies.close()
+    assert copies.close(1.0)
 
 
 def test_a_failing_job_is_logged_and_does_not_stop_the_thread(caplog):
@@ -47,4 +48,18 @@ def test_a_failing_job_is_logged_and_does_not_stop_the_thread(caplog):
     copies.drain()
     assert ran == [True] and copies.pending == 0
     assert "background copy failed" in caplog.text
-    copies.close()
+    assert copies.close(1.0)
+
+
+def test_close_drops_queued_jobs_and_waits_only_so_long(caplog):
+    copies, gate, ran = CopyThread(), threading.Event(), []
+    copies.submit(gate.wait, ["running"], [1])
+    for i in range(5):
+        copies.submit(lambda i=i: ran.append(i), [f"queued{i}"], [2 + i])
+    start = time.monotonic()
+    assert not copies.close(0.3)  # the running job is still stuck
+    assert time.monotonic() - start < 2
+    gate.set()
+    time.sleep(0.2)
+    assert ran == [], "jobs queued behind the running one ran after close"
+    assert "callback" not in caplog.text  # cancelled jobs are forgotten quietly

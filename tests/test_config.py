@@ -82,3 +82,20 @@ def test_bad_secrets_name_the_key(monkeypatch, extra, message):
     monkeypatch.setenv("KVC_TEST_SHORT", "short")
     with pytest.raises(ConfigError, match=message):
         ConnectorConfig.from_extra_config(extra)
+
+
+def test_memory_capacity_must_hold_a_chunk():
+    cfg = ConnectorConfig.from_extra_config({"memory_capacity": "1KiB"})
+    with pytest.raises(ConfigError, match=r"memory_capacity=1KiB holds no chunk: one chunk of "
+                                          r"256 tokens is 32MiB .* use at least '32MiB'"):
+        cfg.memory_slots(32 << 20)
+    assert ConnectorConfig.from_extra_config({"memory_capacity": "100MiB"}).memory_slots(
+        32 << 20) == 3
+
+
+def test_memory_capacity_above_what_the_machine_has_is_refused():
+    cfg = ConnectorConfig.from_extra_config({"memory_capacity": "10TB"})
+    with pytest.raises(ConfigError, match=r"memory_capacity=9.1TiB is more than this machine "
+                                          r"can give: 16GiB available now, of 32GiB"):
+        cfg.check_memory_available(16 << 30, 32 << 30)
+    cfg.check_memory_available(10 ** 13, 10 ** 13)

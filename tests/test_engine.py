@@ -157,6 +157,9 @@ def test_more_prompts_than_kv_budget_hit_the_store(tiny_model, tmp_path_factory)
 @pytest.mark.parametrize("extra, message", [
     ({"chunk_sise": 256}, "unknown kv_connector_extra_config key(s) ['chunk_sise']"),
     ({"chunk_size": 200}, "chunk_size=200 is not a multiple of the engine's block_size=128"),
+    ({"memory_capacity": "1KiB"}, "memory_capacity=1KiB holds no chunk: one chunk of 256 "
+                                  "tokens is 256KiB for this model; use at least '256KiB'"),
+    ({"memory_capacity": "10TB"}, "memory_capacity=9.1TiB is more than this machine can give"),
 ])
 def test_bad_config_stops_engine_start(tiny_model, tmp_path_factory, extra, message):
     with pytest.raises(RuntimeError) as e:

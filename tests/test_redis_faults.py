@@ -11,7 +11,7 @@ import pytest
 
 from kvconnector.store import codec
 from tests.conftest import prompt, run_engine
-from tests.redis_server import RedisServer
+from tests.redis_server import LatencyProxy, RedisServer
 
 pytestmark = pytest.mark.engine
 
@@ -136,3 +136,19 @@ def test_forged_value_is_refused_with_a_shared_secret(tampered, baseline):
     # MAC is for (a CRC does not stop it).
     unsigned = reader[0][5]
     assert unsigned["cached"] == 2 * CHUNK and unsigned["tokens"] != baseline[-1]
+
+
+def test_shutdown_is_bounded_with_puts_queued_for_a_slow_redis(tiny_model, tmp_path_factory):
+    """vLLM kills an engine that outstays its shutdown window: chunks still queued for a
+    slow Redis are dropped after a bounded time, not flushed one round trip at a time."""
+    with RedisServer() as server, LatencyProxy(server.port, delay_s=0.5) as proxy:
+        res = run_engine(tmp_path_factory.mktemp("faults-shutdown"), {
+            "model": tiny_model, "connector": {"memory_capacity": "64MiB",
+                                               "redis_url": proxy.url},
+            "steps": [{"op": "generate", "prompts": [prompt(330 + i, 1100) for i in range(4)],
+                       "max_tokens": 2},
+                      {"op": "shutdown_connector"}]}, timeout=TIMEOUT_S)
+    shutdown = res[1]
+    assert shutdown["queued"] >= 8, "the test needs puts queued at shutdown"
+    assert shutdown["seconds"] < 2.5, shutdown
+    assert shutdown["dropped"] >= 1

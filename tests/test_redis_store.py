@@ -502,6 +502,28 @@ def test_passwords_never_logged(caplog):
     assert "hunter2" not in text
 
 
+
+def test_password_from_the_environment_and_a_warning_for_one_in_the_url(
+        redis_server, monkeypatch, caplog):
+    from kvconnector.config import ConnectorConfig
+    from kvconnector.store import open_redis
+
+    exp, payload = make_chunk(1, 100)
+    with RedisServer(password="hunter2-secret") as srv:
+        monkeypatch.setenv("KVC_TEST_REDIS_PW", "hunter2-secret")
+        cfg = ConnectorConfig.from_extra_config(
+            {"redis_url": f"redis://127.0.0.1:{srv.port}",
+             "redis_password_env": "KVC_TEST_REDIS_PW"})
+        with open_redis(cfg, for_lookups=True) as s:
+            assert s.put_many([item(exp, payload)]) == 1
+        assert "redis_url carries a password" not in caplog.text
+        cfg = ConnectorConfig.from_extra_config({"redis_url": srv.url})
+        with open_redis(cfg, for_lookups=True) as s:
+            assert s.exists_prefix([exp.key], 1.0) == 1
+    assert "redis_url carries a password" in caplog.text and "redis_password_env" in caplog.text
+    assert "hunter2" not in caplog.text
+
+
 # ---- faults ---------------------------------------------------------------------------
 
 def _count_connects(monkeypatch) -> list[int]:

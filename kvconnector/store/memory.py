@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -13,6 +14,17 @@ import torch
 from kvconnector.keys import ChunkKey
 
 logger = logging.getLogger("kvconnector.store.memory")
+
+
+def host_memory() -> tuple[int, int]:
+    """(available, total) bytes of this machine's memory: MemAvailable, not free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)}
+        return info["MemAvailable"], info["MemTotal"]
+    except (OSError, KeyError, ValueError):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total, total
 
 
 class ChunkCorrupt(RuntimeError):

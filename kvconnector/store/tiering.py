@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -89,7 +90,23 @@ class RedisTier:
         """Wait until every queued put has been sent (or failed)."""
         self._queue.join()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float) -> None:
+        """Send what can be sent within ``timeout_s``, drop the rest (the engine is
+        stopping: vLLM kills an engine that outstays its shutdown window)."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        dropped = 0
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+            self._queue.task_done()
+            dropped += 1
+        if dropped:
+            self.dropped_puts += dropped
+            logger.info("kvconnector: engine stopping, %d chunks not sent to Redis", dropped)
         self._queue.put(None)
-        self._thread.join(timeout=10)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         self.redis.close()

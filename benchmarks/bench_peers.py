@@ -1,0 +1,213 @@
+"""A hit, side by side: kvconnector against vLLM's own prefix cache (the floor), vLLM's
+ExampleConnector (the peer that runs on the CPU build) and recomputing, in one run.
+
+    python benchmarks/bench_peers.py                 # tiny Mistral, bf16, 1k-16k tokens
+    python benchmarks/bench_peers.py --lengths 1024,2048 --repeats 1   # a quick look
+
+Every configuration runs in its own fresh process, on the same prompts, one after another:
+
+* ``recompute``: vLLM alone, prefix cache off (every request computes its prompt);
+* ``vllm prefix cache``: vLLM alone, prefix cache on; the hit is the second request of the
+  same prompt, whose KV is still where attention reads it: the floor a hit can approach;
+* ``ExampleConnector``: vLLM's example connector (safetensors files in a temporary folder);
+* ``kvconnector memory``: the second request of a prompt loads it from host memory;
+* ``kvconnector redis``: a second engine, with an empty memory tier, loads what a first
+  engine wrote to a local redis-server.
+
+vLLM's own prefix cache is off for every connector, so each hit is the connector's. TTFT is
+the latency of a one-token generation of one request; per length the median over
+``--repeats`` distinct prompts. After the timed hit, each prompt is generated once more (a
+hit again) for ``--check-tokens`` greedy tokens, which must equal ``recompute``'s.
+vLLM's ``OffloadingConnector`` and ``SimpleCPUOffloadConnector`` are started too (prefix
+cache on, as they expect); the report records what they do on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+
+from common import (
+    add_model_args,
+    connector,
+    engine,
+    in_fresh_process,
+    random_prompt,
+    redis_for,
+    resolve_model,
+    timed_generate,
+    write_results,
+)
+
+FLOOR = "vllm prefix cache"
+REFUSING_PEERS = {
+    "OffloadingConnector": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                            "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}},
+    "SimpleCPUOffloadConnector": {"kv_connector": "SimpleCPUOffloadConnector",
+                                  "kv_role": "kv_both",
+                                  "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}},
+}
+
+
+def run_config(model: str, args, kvt: dict | None, prompts: dict[int, list[list[int]]],
+               prefix_caching: bool, fill_first: bool) -> dict:
+    """TTFT of each prompt's hit (after a first request that fills the cache when
+    ``fill_first``), and the greedy tokens of one more request of it."""
+    max_len = max(prompts) + args.check_tokens + 64
+    ttft: dict[int, float] = {}
+    cached: dict[int, list[int]] = {}
+    tokens: dict[int, list[list[int]]] = {}
+    with engine(model, args, kvt, max_len, enable_prefix_caching=prefix_caching) as llm:
+        timed_generate(llm, [random_prompt(random.Random(9), 300, 400)], 1)
+        for n, group in prompts.items():
+            times, cached[n], tokens[n] = [], [], []
+            for p in group:
+                if fill_first:
+                    timed_generate(llm, [p], 1)
+                secs, outs = timed_generate(llm, [p], 1)
+                times.append(secs)
+                cached[n].append(outs[0].num_cached_tokens or 0)
+                _, outs = timed_generate(llm, [p], args.check_tokens)
+                tokens[n].append(list(outs[0].outputs[0].token_ids))
+            ttft[n] = statistics.median(times)
+    return {"ttft": ttft, "cached": cached, "tokens": tokens}
+
+
+def fill_redis(model: str, args, kvt: dict, prompts: dict[int, list[list[int]]],
+               chunks: int) -> int:
+    """A first engine stores every prompt; returns once Redis holds all their chunks."""
+    import redis
+
+    with engine(model, args, kvt, max(prompts) + 64, enable_prefix_caching=False) as llm:
+        for group in prompts.values():
+            for p in group:
+                timed_generate(llm, [p], 1)
+        client = redis.Redis.from_url(args.redis_url)
+        deadline = time.monotonic() + 120
+        while client.dbsize() < chunks and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return client.dbsize()
+
+
+def refusal(model: str, args, kvt: dict) -> str:
+    """What a peer does on this machine: its error, or how much a repeated prompt reused.
+    In-process, so that the root cause is the exception itself."""
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    p = random_prompt(random.Random(5), 1024, 400)
+    try:
+        with engine(model, args, kvt, 2048, enable_prefix_caching=True) as llm:
+            timed_generate(llm, [p], 1)
+            _, outs = timed_generate(llm, [p], 1)
+            return f"started; a repeated 1024-token prompt reused " \
+                   f"{outs[0].num_cached_tokens or 0} tokens"
+    except Exception as e:  # noqa: BLE001 - the refusal is the result
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.set_defaults(dtype="bfloat16", redis=True)
+    p.add_argument("--no-redis", dest="redis", action="store_false")
+    p.add_argument("--lengths", default="1024,2048,4096,8192,16384")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--check-tokens", type=int, default=16)
+    with redis_for(p.parse_args()) as args:
+        bench(args)
+
+
+def bench(args) -> None:
+    from tqdm import tqdm
+
+    model, vocab = resolve_model(args)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rng = random.Random(0)
+    prompts = {n: [random_prompt(rng, n, vocab) for _ in range(args.repeats)] for n in lengths}
+    extra = {"memory_capacity": args.memory_capacity}
+    runs: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="kvc-example-connector-") as disk:
+        configs = [
+            ("recompute", None, False, False),
+            (FLOOR, None, True, True),
+            ("ExampleConnector", {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                                  "kv_connector_extra_config": {"shared_storage_path": disk}},
+             False, True),
+            ("kvconnector memory", connector(extra), False, True),
+        ]
+        for name, kvt, prefix, fill in tqdm(configs, desc="engines"):
+            runs[name] = in_fresh_process(run_config, model, args, kvt, prompts, prefix, fill)
+    if args.redis_url:
+        with_redis = connector({**extra, "redis_url": args.redis_url})
+        chunks = sum(len(q) // 256 for group in prompts.values() for q in group)
+        stored = in_fresh_process(fill_redis, model, args, with_redis, prompts, chunks)
+        if stored < chunks:
+            print(f"warning: Redis holds {stored} of {chunks} chunks")
+        runs["kvconnector redis"] = in_fresh_process(run_config, model, args, with_redis,
+                                                     prompts, False, False)
+    refused = {name: in_fresh_process(refusal, model, args, kvt)
+               for name, kvt in REFUSING_PEERS.items()}
+    report(args, model, lengths, runs, refused)
+
+
+def report(args, model: str, lengths: list[int], runs: dict, refused: dict) -> None:
+    floor = runs[FLOOR]["ttft"]
+    truth = runs["recompute"]["tokens"]
+    names = list(runs)
+    table = {name: {n: {"ttft_s": r["ttft"][n], "vs_floor": r["ttft"][n] / floor[n],
+                        "cached_tokens": r["cached"][n],
+                        "same_tokens": r["tokens"][n] == truth[n]} for n in lengths}
+             for name, r in runs.items()}
+    print(f"\nhit TTFT (s) and ratio to vLLM's own prefix-cache hit; model {model} "
+          f"({args.dtype}), median of {args.repeats}")
+    print(f"{'tokens':>7} " + " ".join(f"{k:>24}" for k in names))
+    for n in lengths:
+        cells = [f"{table[k][n]['ttft_s']:.4f} ({table[k][n]['vs_floor']:.2f}x)"
+                 + ("" if table[k][n]["same_tokens"] else " !") for k in names]
+        print(f"{n:>7} " + " ".join(f"{c:>24}" for c in cells))
+    print("'!': greedy tokens differ from recompute")
+    for name, why in refused.items():
+        print(f"{name}: {why}")
+    out = write_results(args.out, "peers", {"model": model, "dtype": args.dtype,
+                                            "lengths": lengths, "repeats": args.repeats,
+                                            "results": table, "refused": refused})
+    print(f"results: {out}")
+    plot(out.with_suffix(".png"), model, lengths, table)
+
+
+def plot(path, model: str, lengths: list[int], table: dict) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, per_len in table.items():
+        ax.plot(lengths, [per_len[n]["ttft_s"] for n in lengths], marker="o", label=name)
+        if name != "recompute":
+            bx.plot(lengths, [per_len[n]["vs_floor"] for n in lengths], marker="o", label=name)
+    for a in (ax, bx):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("prompt tokens")
+        a.grid(alpha=0.3)
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT of a hit (s)")
+    bx.set_ylabel("x vLLM's own prefix-cache hit")
+    bx.axhline(1.1, color="grey", linestyle="--", linewidth=1)
+    ax.legend(fontsize=8)
+    fig.suptitle(f"A hit side by side ({model.rsplit('/', 1)[-1]})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()

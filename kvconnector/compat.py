@@ -120,5 +120,20 @@ def request_block_ids(scheduler_output: SchedulerOutput, req_id: str) -> list[in
     return list(groups[0]) if groups else None
 
 
+def blocks_handed_out(scheduler_output: SchedulerOutput) -> set[int]:
+    """Block ids this step may write KV into: blocks of requests scheduled new or resumed,
+    blocks added to running requests, blocks vLLM zeroes or copies into."""
+    ids: set[int] = set()
+    for new in scheduler_output.scheduled_new_reqs:
+        if new.block_ids:
+            ids.update(new.block_ids[0])
+    for groups in scheduler_output.scheduled_cached_reqs.new_block_ids:
+        if groups:
+            ids.update(groups[0])
+    ids.update(scheduler_output.new_block_ids_to_zero or ())
+    ids.update(c.dst_block_id for c in scheduler_output.kv_cache_block_copies or ())
+    return ids
+
+
 def extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
     return dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})

@@ -101,8 +101,7 @@ class KVConnector(KVConnectorBase_V1):
             self.worker.save(plan)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sent, received = self.worker.finished(self._plan())
-        return sent or None, received or None
+        return None, self.worker.finished_loading() or None
 
     def _plan(self) -> StepPlan:
         plan = self._get_connector_metadata()
@@ -149,5 +148,6 @@ class KVConnector(KVConnectorBase_V1):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request)
 
-    def has_pending_block_frees(self) -> bool:
-        return self.scheduler.has_held_requests()
+    def reset_cache(self) -> bool:
+        self.scheduler.reset()
+        return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from kvconnector.config import ConfigError, ConnectorConfig
@@ -17,6 +18,62 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvconnector.compat")
+
+# vLLM minor versions kvconnector runs on: 0.32 is tested here (CPU build), 0.33 was checked
+# against its sources. docs/configuration.md has the table.
+SUPPORTED_VLLM = ((0, 32), (0, 33))
+ALLOW_UNTESTED_ENV = "KVCONNECTOR_ALLOW_UNTESTED_VLLM"
+
+
+class UnsupportedVLLM(RuntimeError):
+    """The installed vLLM is not one kvconnector was built and tested for."""
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Refuse to start on a vLLM minor version outside ``SUPPORTED_VLLM``, with a message
+    saying what to do; ``KVCONNECTOR_ALLOW_UNTESTED_VLLM=1`` turns that into a warning."""
+    from packaging.version import InvalidVersion, Version
+
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_VLLM)
+    try:
+        minor = Version(version).release[:2]
+    except InvalidVersion:
+        logger.warning("kvconnector: cannot tell which vLLM this is (version %r); it is "
+                       "built for vLLM %s", version, supported)
+        return
+    if minor in SUPPORTED_VLLM:
+        return
+    message = (f"kvconnector supports vLLM {supported}, but vLLM {version} is installed: "
+               f"install a supported vLLM or a kvconnector release made for this one "
+               f"(set {ALLOW_UNTESTED_ENV}=1 to try it anyway)")
+    if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+        logger.warning("%s; going on because %s=1", message, ALLOW_UNTESTED_ENV)
+        return
+    raise UnsupportedVLLM(message)
+
+
+def check_sleep_mode(vllm_config: VllmConfig) -> None:
+    """Sleep mode frees the KV cache under saves still copying out of it, and vLLM 0.32
+    gives connectors no hook to finish them first: refuse it at start-up."""
+    model_config = vllm_config.model_config
+    if model_config is not None and getattr(model_config, "enable_sleep_mode", False):
+        raise ConfigError(
+            "kvconnector does not support vLLM's sleep mode (enable_sleep_mode): sleep "
+            "frees the KV cache while the connector may still be copying out of it. Start "
+            "the engine without --enable-sleep-mode. A cache reset "
+            "(reset_prefix_cache(reset_connector=True)) is what a weight update needs.")
+
+
+def hit_source_labels() -> tuple[Any, Any]:
+    """vLLM's labels for hits from (host memory, Redis). vLLM has no label for a remote
+    store; it reports its own object-store tier as DISK, a storage tier behind memory."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    return CacheHitSource.HOST, CacheHitSource.DISK
 
 
 def is_cpu_platform() -> bool:

@@ -61,6 +61,7 @@ class SchedulerHalf:
         self.stats = TransferStats()
         self._requests: dict[str, RequestState] = {}
         self._lookup_start: dict[str, tuple[int, bool]] = {}  # req -> (tokens, async)
+        self._hit_split: dict[str, tuple[int, int]] = {}  # req -> (memory, Redis) tokens
         self._loads: list[ChunkTransfer] = []
         self._async_loads: list[ChunkTransfer] = []
         # Block id -> the request whose latest planned save reads it. When vLLM hands such
@@ -143,6 +144,7 @@ class SchedulerHalf:
         block_ids = blocks.get_block_ids()[0]
         c, bs = self.config.chunk_size, self.block_size
         planned = self._async_loads if load_async else self._loads
+        redis_tokens = 0
         for ci in range(start // c, -(-end // c)):
             h = st.hashes[ci]
             from_redis = h not in self.index
@@ -161,7 +163,16 @@ class SchedulerHalf:
                 tok = ci * c + j * bs
                 ids.append(block_ids[tok // bs] if start <= tok < end else -1)
             planned.append(ChunkTransfer(request.request_id, h, slot, ids, from_redis))
+            if from_redis:
+                redis_tokens += min(end, (ci + 1) * c) - max(start, ci * c)
+        self._hit_split[request.request_id] = (num_external_tokens - redis_tokens, redis_tokens)
         self.stats.add(hit_tokens=num_external_tokens)
+
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        """vLLM's per-tier count of a hit: host memory or Redis."""
+        memory, redis = self._hit_split.pop(request.request_id, (num_external_tokens, 0))
+        labels = compat.hit_source_labels()
+        return {label: n for label, n in zip(labels, (memory, redis), strict=True) if n}
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
         fence = {self._readers.pop(b) for b in compat.blocks_handed_out(scheduler_output)
@@ -212,6 +223,7 @@ class SchedulerHalf:
         them are fenced when vLLM hands those blocks out again (``build_meta``)."""
         self._requests.pop(request.request_id, None)
         self._lookup_start.pop(request.request_id, None)
+        self._hit_split.pop(request.request_id, None)
         return False, None
 
     def reset(self) -> None:
@@ -243,6 +255,7 @@ class SchedulerHalf:
     def outstanding(self) -> dict[str, int]:
         """Per-request state still held; all zero once every request has finished."""
         return {"requests": len(self._requests), "lookups": len(self._lookup_start),
+                "hit_splits": len(self._hit_split),
                 "planned_loads": len(self._loads) + len(self._async_loads),
                 "pinned_slots": self.index.pinned}
 

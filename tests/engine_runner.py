@@ -207,7 +207,8 @@ def _main(spec_path: str, out_path: str) -> None:
     kw = dict(model=spec["model"], dtype=spec.get("dtype", "float32"),
               kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
               enable_prefix_caching=spec.get("prefix_caching", False),
-              max_model_len=spec.get("max_model_len", 4096), enforce_eager=True, seed=0)
+              max_model_len=spec.get("max_model_len", 4096), enforce_eager=True, seed=0,
+              disable_log_stats=not spec.get("log_stats", False))
     if spec.get("connector") is not None:
         kw["kv_transfer_config"] = connector_config(spec["connector"])
     llm = LLM(**kw)
@@ -259,6 +260,12 @@ def _main(spec_path: str, out_path: str) -> None:
         elif op == "reset_prefix_cache":
             results.append(llm.reset_prefix_cache(
                 reset_connector=step.get("reset_connector", False)))
+        elif op == "scheduler_attr":
+            results.append(getattr(llm.llm_engine.engine_core.engine_core.scheduler,
+                                   step["name"]))
+        elif op == "cached_by_source":  # vLLM's own metric, needs "log_stats"
+            results.append({m.labels["source"]: m.value for m in llm.get_metrics()
+                            if m.name == "vllm:prompt_tokens_cached_by_source" and m.value})
         elif op == "sleep_wake":
             llm.sleep(level=step.get("level", 1))
             results.append(llm.wake_up())

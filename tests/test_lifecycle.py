@@ -34,7 +34,7 @@ def new_weights(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def updated(tiny_model, tmp_path_factory):
     return run_engine(tmp_path_factory.mktemp("weights-update"), {
-        "model": tiny_model, "connector": MEM, "steps": [
+        "model": tiny_model, "connector": MEM, "log_stats": True, "steps": [
             {"op": "generate", "prompts": [P1]},  # 0: stores P1's 2 chunks
             {"op": "reset_prefix_cache"},  # 1: vLLM's own cache only, right after a request
             {"op": "generate", "prompts": [P1]},  # 2: the connector still serves P1
@@ -46,13 +46,23 @@ def updated(tiny_model, tmp_path_factory):
             SCALE,  # 8
             {"op": "sleep_wake", "level": 1},  # 9: sleep resets every cache too
             {"op": "generate", "prompts": [P1]},  # 10
-            {"op": "totals"}]}, timeout=TIMEOUT)  # 11
+            {"op": "totals"},  # 11
+            {"op": "cached_by_source"},  # 12
+            {"op": "scheduler_attr", "name": "requires_kv_delivery"}]}, timeout=TIMEOUT)  # 13
 
 
 def test_reset_prefix_cache_right_after_a_request_succeeds(updated, new_weights):
     assert updated[1] is True
     warm = updated[2][0]
     assert warm["cached"] == 2 * CHUNK and warm["tokens"] == new_weights["P1"]
+
+
+def test_hits_from_memory_are_labelled_host_in_vllms_metrics(updated):
+    assert updated[12] == {"host": 3 * 2 * CHUNK}  # steps 2, 4 and 7
+
+
+def test_vllm_is_told_a_miss_is_acceptable(updated):
+    assert updated[13] is False  # kv_both would make vLLM treat our saves as hand-offs
 
 
 def test_without_a_reset_stored_kv_is_reused(updated, new_weights):

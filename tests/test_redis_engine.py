@@ -38,9 +38,11 @@ def test_second_engine_serves_first_engines_chunks(tiny_model, tmp_path_factory,
     assert first[2]["puts"] >= 2
     assert len(redis_server.client().keys("e2e:*")) >= 2
     second = run_engine(tmp_path_factory.mktemp("redis-b"), {
-        "model": tiny_model, "connector": extra, "steps": [
-            {"op": "generate", "prompts": [P1]}, {"op": "totals"}]})
+        "model": tiny_model, "connector": extra, "log_stats": True, "steps": [
+            {"op": "generate", "prompts": [P1]}, {"op": "totals"},
+            {"op": "cached_by_source"}]})
     out, totals = second[0][0], second[1]
+    assert second[2] == {"disk": 2 * CHUNK}  # vLLM's label for a storage tier
     assert out["cached"] == 2 * CHUNK
     assert totals["redis_loaded_chunks"] == 2 and totals["load_errors"] == 0
     assert first[0][0]["tokens"] == baseline[0]

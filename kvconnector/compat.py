@@ -109,10 +109,44 @@ def cpu_isa(vllm_config: VllmConfig, spec: AttentionSpec) -> str:
                          vllm_config.cache_config.cache_dtype)
 
 
+def check_packing(spec: AttentionSpec) -> None:
+    """Refuse KV caches whose bytes inside a page are ordered by the attention backend's
+    own packing (the spec alone does not say how), or hold more than one token per row."""
+    from kvconnector.layout import LayoutError
+
+    tokens_per_state = getattr(spec, "tokens_per_state", 1)
+    head_slots = getattr(spec, "num_head_slots", None)
+    content_bytes = getattr(spec, "state_content_bytes", None)
+    why = None
+    if tokens_per_state != 1:
+        why = f"compressed KV ({tokens_per_state} tokens per stored state)"
+    elif head_slots is not None:
+        why = (f"K and V packed as {head_slots} head slots (ROCm attention, B12X), whose "
+               "order inside a page depends on the attention backend")
+    elif content_bytes is not None:
+        why = f"packed KV content ({content_bytes} bytes per token and head)"
+    elif not is_mla(spec) and getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+        why = f"K and V of different head sizes ({spec.head_size}, {spec.head_size_v})"
+    if why:
+        raise LayoutError(f"kvconnector cannot store this model's KV cache: {why}; use "
+                          "another attention backend or KV cache dtype, or run without it")
+
+
+def layout_kw(spec: AttentionSpec, on_cpu: bool) -> dict[str, Any]:
+    """``layout.describe``'s arguments for the tensors vLLM registers for ``spec``."""
+    check_packing(spec)
+    mla = is_mla(spec)
+    return {"num_kv_heads": spec.num_kv_heads, "head_size": spec.head_size, "mla": mla,
+            "cpu_pages": on_cpu and not mla}
+
+
 def kv_layout_name(vllm_config: VllmConfig, spec: AttentionSpec) -> str:
+    check_packing(spec)
+    if is_mla(spec):
+        return "mla"  # one latent per token, on every platform
     if is_cpu_platform():
         return f"cpu-pages-{cpu_isa(vllm_config, spec)}"
-    return "mla" if is_mla(spec) else "chunk"
+    return "chunk"
 
 
 def _model_config_digest(vllm_config: VllmConfig) -> str:

@@ -59,10 +59,8 @@ class WorkerHalf:
         if missing:
             raise LayoutError(f"vLLM registered no KV tensor for layers {missing}")
         self.layers = [kv_caches[n] for n in self.layer_names]
-        self.layout = describe_layers(
-            {n: kv_caches[n] for n in self.layer_names},
-            num_kv_heads=self.spec.num_kv_heads, head_size=self.spec.head_size,
-            cpu_pages=compat.is_cpu_platform(), mla=compat.is_mla(self.spec))
+        self.layout = describe_layers({n: kv_caches[n] for n in self.layer_names},
+                                      **compat.layout_kw(self.spec, compat.is_cpu_platform()))
         kbs = self.layout.kernel_block_size
         if self.spec.block_size % kbs:
             raise LayoutError(f"kernel block size {kbs} does not divide block size "

@@ -111,3 +111,17 @@ def test_blocks_handed_out_again_wait_for_their_queued_saves(tiny_model, tmp_pat
     assert res[4][0]["tokens"] == new_weights["P2"]
     assert res[5][0]["cached"] == 2 * CHUNK and res[6]["load_errors"] == 0
     assert res[5][0]["tokens"] == new_weights["P1"]
+
+
+def test_reset_in_multiprocess_mode(tiny_model, tmp_path_factory, new_weights):
+    """vLLM's default mode: the reset reaches the scheduler's connector in the engine-core
+    process, and the workers (another process) follow the keys it plans."""
+    res = run_engine(tmp_path_factory.mktemp("mp-reset"), {
+        "model": tiny_model, "connector": MEM, "steps": [
+            {"op": "generate", "prompts": [P1]}, SCALE,
+            {"op": "reset_prefix_cache", "reset_connector": True},
+            {"op": "generate", "prompts": [P1]},
+            {"op": "generate", "prompts": [P1]}]}, multiprocess=True, timeout=TIMEOUT)
+    assert res[2] is True
+    assert res[3][0]["cached"] == 0 and res[3][0]["tokens"] == new_weights["x4"]
+    assert res[4][0]["cached"] == 2 * CHUNK and res[4][0]["tokens"] == new_weights["x4"]

@@ -27,7 +27,7 @@ V032_ORDERS = {  # vLLM 0.32 KVCacheLayout: physical order of the logical [L, B,
     "LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
     "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4),
 }
-LAYOUTS = [*V032_ORDERS, "old-NHD", "old-HND"]
+LAYOUTS = list(V032_ORDERS)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
           "fp8": getattr(torch, "float8_e4m3fn", torch.uint8)}
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
@@ -36,7 +36,7 @@ _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layouts", default="LBNHC,LBHNC,old-NHD",
+    p.add_argument("--layouts", default="LBNHC,LBHNC",
                    help=f"comma list from {','.join(LAYOUTS)} (LBNHC = NHD, LBHNC = HND)")
     p.add_argument("--dtypes", default="fp16,bf16", help=f"comma list from {','.join(DTYPES)}")
     p.add_argument("--chunks", default="1,2,4,8,16", help="chunks per batch, comma list")
@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "only to exercise the code path (numbers mean nothing)")
     args = p.parse_args(argv)
     if args.smoke:
-        args.layouts, args.dtypes, args.chunks = "LBNHC,old-NHD", "fp16", "1,2"
+        args.layouts, args.dtypes, args.chunks = "LBNHC,BLHNC", "fp16", "1,2"
         args.layers, args.heads, args.head_size, args.block_size = 2, 2, 8, 16
         args.chunk_tokens, args.warmup, args.iters, args.ref_iters = 32, 1, 2, 1
     for name in args.layouts.split(","):
@@ -76,21 +76,14 @@ def build_layers(name: str, args, num_blocks: int, dtype: torch.dtype, device: s
     from kvconnector.layout import describe_layers
 
     L, B, N, H, D = args.layers, num_blocks, args.block_size, args.heads, args.head_size
-    kw = {"num_kv_heads": H, "head_size": D}
-    if name in V032_ORDERS:
-        order = V032_ORDERS[name]
-        logical = (L, B, H, N, 2 * D)
-        phys = torch.empty([logical[i] for i in order], dtype=dtype, device=device)
-        phys.view(_INT[phys.element_size()]).random_()
-        full = phys.permute(*[order.index(i) for i in range(5)])
-        layers = [full[i] for i in range(L)]
-    else:
-        shape = (2, B, N, H, D) if name == "old-NHD" else (2, B, H, N, D)
-        layers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(L)]
-        for t in layers:
-            t.view(_INT[t.element_size()]).random_()
-        kw["heads_before_tokens"] = name == "old-HND"
-    return layers, describe_layers({f"layer{i}": t for i, t in enumerate(layers)}, **kw)
+    order = V032_ORDERS[name]
+    logical = (L, B, H, N, 2 * D)
+    phys = torch.empty([logical[i] for i in order], dtype=dtype, device=device)
+    phys.view(_INT[phys.element_size()]).random_()
+    full = phys.permute(*[order.index(i) for i in range(5)])
+    layers = [full[i] for i in range(L)]
+    return layers, describe_layers({f"layer{i}": t for i, t in enumerate(layers)},
+                                   num_kv_heads=H, head_size=D)
 
 
 def make_timer(cuda: bool, warmup: int):

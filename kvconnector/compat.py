@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from kvconnector.config import ConfigError, ConnectorConfig
@@ -17,6 +18,62 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvconnector.compat")
+
+# vLLM minor versions kvconnector runs on: 0.32 is tested here (CPU build); 0.33's sources
+# passed the tests over the 0.32 build. docs/configuration.md has the table.
+SUPPORTED_VLLM = ((0, 32), (0, 33))
+ALLOW_UNTESTED_ENV = "KVCONNECTOR_ALLOW_UNTESTED_VLLM"
+
+
+class UnsupportedVLLM(RuntimeError):
+    """The installed vLLM is not one kvconnector was built and tested for."""
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Refuse to start on a vLLM minor version outside ``SUPPORTED_VLLM``, with a message
+    saying what to do; ``KVCONNECTOR_ALLOW_UNTESTED_VLLM=1`` turns that into a warning."""
+    from packaging.version import InvalidVersion, Version
+
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_VLLM)
+    try:
+        minor = Version(version).release[:2]
+    except InvalidVersion:
+        logger.warning("kvconnector: cannot tell which vLLM this is (version %r); it is "
+                       "built for vLLM %s", version, supported)
+        return
+    if minor in SUPPORTED_VLLM:
+        return
+    message = (f"kvconnector supports vLLM {supported}, but vLLM {version} is installed: "
+               f"install a supported vLLM or a kvconnector release made for this one "
+               f"(set {ALLOW_UNTESTED_ENV}=1 to try it anyway)")
+    if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+        logger.warning("%s; going on because %s=1", message, ALLOW_UNTESTED_ENV)
+        return
+    raise UnsupportedVLLM(message)
+
+
+def check_sleep_mode(vllm_config: VllmConfig) -> None:
+    """Sleep mode frees the KV cache under saves still copying out of it, and vLLM 0.32
+    gives connectors no hook to finish them first: refuse it at start-up."""
+    model_config = vllm_config.model_config
+    if model_config is not None and getattr(model_config, "enable_sleep_mode", False):
+        raise ConfigError(
+            "kvconnector does not support vLLM's sleep mode (enable_sleep_mode): sleep "
+            "frees the KV cache while the connector may still be copying out of it. Start "
+            "the engine without --enable-sleep-mode. A cache reset "
+            "(reset_prefix_cache(reset_connector=True)) is what a weight update needs.")
+
+
+def hit_source_labels() -> tuple[Any, Any]:
+    """vLLM's labels for hits from (host memory, Redis). vLLM has no label for a remote
+    store; it reports its own object-store tier as DISK, a storage tier behind memory."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    return CacheHitSource.HOST, CacheHitSource.DISK
 
 
 def is_cpu_platform() -> bool:
@@ -52,10 +109,44 @@ def cpu_isa(vllm_config: VllmConfig, spec: AttentionSpec) -> str:
                          vllm_config.cache_config.cache_dtype)
 
 
+def check_packing(spec: AttentionSpec) -> None:
+    """Refuse KV caches whose bytes inside a page are ordered by the attention backend's
+    own packing (the spec alone does not say how), or hold more than one token per row."""
+    from kvconnector.layout import LayoutError
+
+    tokens_per_state = getattr(spec, "tokens_per_state", 1)
+    head_slots = getattr(spec, "num_head_slots", None)
+    content_bytes = getattr(spec, "state_content_bytes", None)
+    why = None
+    if tokens_per_state != 1:
+        why = f"compressed KV ({tokens_per_state} tokens per stored state)"
+    elif head_slots is not None:
+        why = (f"K and V packed as {head_slots} head slots (ROCm attention, B12X), whose "
+               "order inside a page depends on the attention backend")
+    elif content_bytes is not None:
+        why = f"packed KV content ({content_bytes} bytes per token and head)"
+    elif not is_mla(spec) and getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+        why = f"K and V of different head sizes ({spec.head_size}, {spec.head_size_v})"
+    if why:
+        raise LayoutError(f"kvconnector cannot store this model's KV cache: {why}; use "
+                          "another attention backend or KV cache dtype, or run without it")
+
+
+def layout_kw(spec: AttentionSpec, on_cpu: bool) -> dict[str, Any]:
+    """``layout.describe``'s arguments for the tensors vLLM registers for ``spec``."""
+    check_packing(spec)
+    mla = is_mla(spec)
+    return {"num_kv_heads": spec.num_kv_heads, "head_size": spec.head_size, "mla": mla,
+            "cpu_pages": on_cpu and not mla}
+
+
 def kv_layout_name(vllm_config: VllmConfig, spec: AttentionSpec) -> str:
+    check_packing(spec)
+    if is_mla(spec):
+        return "mla"  # one latent per token, on every platform
     if is_cpu_platform():
         return f"cpu-pages-{cpu_isa(vllm_config, spec)}"
-    return "mla" if is_mla(spec) else "chunk"
+    return "chunk"
 
 
 def _model_config_digest(vllm_config: VllmConfig) -> str:
@@ -118,6 +209,21 @@ def request_block_ids(scheduler_output: SchedulerOutput, req_id: str) -> list[in
         return None
     groups = state.get_block_ids(req_id)
     return list(groups[0]) if groups else None
+
+
+def blocks_handed_out(scheduler_output: SchedulerOutput) -> set[int]:
+    """Block ids this step may write KV into: blocks of requests scheduled new or resumed,
+    blocks added to running requests, blocks vLLM zeroes or copies into."""
+    ids: set[int] = set()
+    for new in scheduler_output.scheduled_new_reqs:
+        if new.block_ids:
+            ids.update(new.block_ids[0])
+    for groups in scheduler_output.scheduled_cached_reqs.new_block_ids:
+        if groups:
+            ids.update(groups[0])
+    ids.update(scheduler_output.new_block_ids_to_zero or ())
+    ids.update(c.dst_block_id for c in scheduler_output.kv_cache_block_copies or ())
+    return ids
 
 
 def extra_config(vllm_config: VllmConfig) -> dict[str, Any]:

@@ -53,8 +53,10 @@ class KVConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
         _log_like_vllm()
+        compat.check_vllm_version()
+        compat.check_sleep_mode(vllm_config)
+        super().__init__(vllm_config, role, kv_cache_config)
         self.config = ConnectorConfig.from_extra_config(compat.extra_config(vllm_config))
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
@@ -62,6 +64,14 @@ class KVConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerHalf(self.config, vllm_config, kv_cache_config)
         else:
             self._worker = WorkerHalf(self.config, vllm_config, kv_cache_config)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save that never happens is a later miss
+
+    @property
+    def supports_sleep_mode(self) -> bool:
+        return False  # read by vLLM 0.33; enable_sleep_mode is refused at start-up
 
     @property
     def worker(self) -> WorkerHalf:
@@ -101,8 +111,7 @@ class KVConnector(KVConnectorBase_V1):
             self.worker.save(plan)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sent, received = self.worker.finished(self._plan())
-        return sent or None, received or None
+        return None, self.worker.finished_loading() or None
 
     def _plan(self) -> StepPlan:
         plan = self._get_connector_metadata()
@@ -139,6 +148,10 @@ class KVConnector(KVConnectorBase_V1):
                                  num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def get_external_cache_hit_sources(self, request: Request,
+                                       num_external_tokens: int) -> dict[Any, int]:
+        return self.scheduler.hit_sources(request, num_external_tokens)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler.build_meta(scheduler_output)
 
@@ -149,5 +162,6 @@ class KVConnector(KVConnectorBase_V1):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request)
 
-    def has_pending_block_frees(self) -> bool:
-        return self.scheduler.has_held_requests()
+    def reset_cache(self) -> bool:
+        self.scheduler.reset()
+        return True

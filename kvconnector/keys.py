@@ -75,3 +75,8 @@ def request_seed(fingerprint: bytes, cache_salt: str | None) -> bytes:
         return fingerprint
     return hashlib.blake2b(fingerprint + b"salt:" + cache_salt.encode(),
                            digest_size=HASH_BYTES).digest()
+
+
+def reset_seed(fingerprint: bytes, nonce: bytes) -> bytes:
+    """The chain's start after a cache reset: no chunk stored before it is found again."""
+    return hashlib.blake2b(fingerprint + b"reset:" + nonce, digest_size=HASH_BYTES).digest()

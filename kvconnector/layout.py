@@ -53,63 +53,30 @@ class LayerLayout:
 
 
 def describe(tensor: torch.Tensor, *, num_kv_heads: int, head_size: int,
-             cpu_pages: bool = False, mla: bool = False,
-             heads_before_tokens: bool | None = None) -> LayerLayout:
-    """Describe one layer's KV tensor.
-
-    ``heads_before_tokens`` settles the older 5D layouts when block size equals the head
-    count (NHD and HND have the same shape then); vLLM's backend stride order gives it.
-    """
+             cpu_pages: bool = False, mla: bool = False) -> LayerLayout:
+    """Describe one layer's KV tensor: vLLM (0.32 on) registers every layer as a 4D view
+    ``[blocks, H, N, C]`` whose strides follow its ``KVCacheLayout``. For attention C is K
+    then V of one token and head (2 * head_size); for MLA H is 1 and C the latent."""
     shape, st = tuple(tensor.shape), tuple(tensor.stride())
     where = f"KV tensor of shape {shape}, strides {st}, dtype {tensor.dtype}"
+    if len(shape) != 4:
+        raise LayoutError(f"{where}: expected the 4D [num_blocks, heads, block_size, content] "
+                          "view vLLM registers")
+    b, h, n, c = shape
     if mla:
-        if len(shape) != 3:
-            raise LayoutError(f"{where}: MLA expects [num_blocks, block_size, latent]")
-        b, n, d = shape
-        return LayerLayout("mla", tensor.dtype, b, n, (1, b, n, 1, d), (0, st[0], st[1], 0, st[2]))
-    if len(shape) == 4:
-        b, h, n, d2 = shape
-        if h != num_kv_heads or d2 != 2 * head_size:
-            raise LayoutError(
-                f"{where}: expected [num_blocks, {num_kv_heads} heads, block_size, "
-                f"2*{head_size}]")
-        if cpu_pages:
-            page = n * d2
-            if st[3] != 1 or st[2] != d2:
-                raise LayoutError(f"{where}: CPU pages must be contiguous within a (block, head)")
-            return LayerLayout("cpu-pages", tensor.dtype, b, n, (1, b, 1, h, page),
-                               (0, st[0], 0, st[1], 1))
-        # vLLM >= 0.32: the last dim holds K then V of one token and head.
-        return LayerLayout("kv", tensor.dtype, b, n, (2, b, n, h, head_size),
-                           (head_size * st[3], st[0], st[2], st[1], st[3]))
-    if len(shape) == 5:
-        if shape[0] == 2 and shape[1] != 2:
-            kv, blk, x, y = 0, 1, 2, 3  # [2, B, ., ., D]
-        elif shape[1] == 2:
-            kv, blk, x, y = 1, 0, 2, 3  # [B, 2, N, H, D]
-        else:
-            raise LayoutError(f"{where}: no K/V dimension of size 2 in front")
-        if shape[4] != head_size:
-            raise LayoutError(f"{where}: last dim should be head_size={head_size}")
-        xs, ys = shape[x], shape[y]
-        if heads_before_tokens is None:
-            if xs == num_kv_heads and ys != num_kv_heads:
-                heads_before_tokens = True
-            elif ys == num_kv_heads and xs != num_kv_heads:
-                heads_before_tokens = False
-            elif xs == ys == num_kv_heads:
-                raise LayoutError(
-                    f"{where}: block size equals the head count ({xs}), so NHD and HND "
-                    "cannot be told apart by shape; pass heads_before_tokens")
-            else:
-                raise LayoutError(f"{where}: no dimension matches num_kv_heads={num_kv_heads}")
-        h_dim, n_dim = (x, y) if heads_before_tokens else (y, x)
-        if shape[h_dim] != num_kv_heads:
-            raise LayoutError(f"{where}: heads dim has {shape[h_dim]}, expected {num_kv_heads}")
-        b, n = shape[blk], shape[n_dim]
-        return LayerLayout("kv", tensor.dtype, b, n, (2, b, n, num_kv_heads, head_size),
-                           (st[kv], st[blk], st[n_dim], st[h_dim], st[4]))
-    raise LayoutError(f"{where}: expected a 3D (MLA), 4D or 5D KV tensor")
+        if h != 1 or c != head_size:
+            raise LayoutError(f"{where}: MLA expects [num_blocks, 1, block_size, {head_size}]")
+        return LayerLayout("mla", tensor.dtype, b, n, (1, b, n, 1, c), (0, st[0], st[2], 0, st[3]))
+    if h != num_kv_heads or c != 2 * head_size:
+        raise LayoutError(f"{where}: expected [num_blocks, {num_kv_heads} heads, block_size, "
+                          f"2*{head_size}]")
+    if cpu_pages:
+        if st[3] != 1 or st[2] != c:
+            raise LayoutError(f"{where}: CPU pages must be contiguous within a (block, head)")
+        return LayerLayout("cpu-pages", tensor.dtype, b, n, (1, b, 1, h, n * c),
+                           (0, st[0], 0, st[1], 1))
+    return LayerLayout("kv", tensor.dtype, b, n, (2, b, n, h, head_size),
+                       (head_size * st[3], st[0], st[2], st[1], st[3]))
 
 
 def describe_layers(kv_caches: dict[str, torch.Tensor], **kw) -> LayerLayout:

@@ -31,16 +31,15 @@ class StepPlan(KVConnectorMetadata):
     """Scheduler -> workers: what to move this step.
 
     ``loads`` land before this step's forward; ``async_loads`` (requests parked in vLLM's
-    WAITING_FOR_REMOTE_KVS) and ``saves`` run on the workers' copy thread. ``held`` are
-    finished requests whose blocks vLLM keeps until every worker reports them sent;
-    ``preempted`` are requests whose blocks vLLM may hand out again in this step.
+    WAITING_FOR_REMOTE_KVS) and ``saves`` run on the workers' copy thread. ``fence`` are
+    requests (finished or preempted) whose queued saves read blocks vLLM hands out again
+    in this step: the workers finish those copies before the step writes any KV.
     """
 
     loads: list[ChunkTransfer] = field(default_factory=list)
     async_loads: list[ChunkTransfer] = field(default_factory=list)
     saves: list[ChunkTransfer] = field(default_factory=list)
-    held: set[str] = field(default_factory=set)
-    preempted: set[str] = field(default_factory=set)
+    fence: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import secrets
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvconnector import compat
 from kvconnector.config import ConnectorConfig
-from kvconnector.keys import ChunkKey, chunk_hashes, request_seed
+from kvconnector.keys import ChunkKey, chunk_hashes, request_seed, reset_seed
 from kvconnector.metadata import ChunkTransfer, StepPlan, WorkerReport
 from kvconnector.stats import TransferStats
 from kvconnector.store import MemoryIndex, open_redis
@@ -37,7 +38,6 @@ class RequestState:
     # Chunks from this index on are never loaded for this request: a load of that chunk
     # failed once, and vLLM asks again after it recomputes from the failure.
     load_limit: int | None = None
-    saving: bool = False  # saves were planned: on finishing, its blocks wait for them
     # The last Redis question, (first chunk asked, chunks asked), and its pending answer.
     redis_question: tuple[int, int] | None = None
     redis_answer: Future[int] | None = None
@@ -51,7 +51,10 @@ class SchedulerHalf:
         self.config = config
         self.block_size = spec.block_size
         self.blocks_per_chunk = config.chunk_size // spec.block_size
+        # The keys' fingerprint part (the workers compute the same one); chunk hashes chain
+        # from ``_seed``, which a cache reset replaces.
         self.fingerprint = compat.fingerprint(vllm_config, kv_cache_config, config).digest()
+        self._seed = self.fingerprint
         self.index = MemoryIndex(config.memory_slots(compat.chunk_bytes(kv_cache_config,
                                                                          config)))
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -61,10 +64,12 @@ class SchedulerHalf:
         self.stats = TransferStats()
         self._requests: dict[str, RequestState] = {}
         self._lookup_start: dict[str, tuple[int, bool]] = {}  # req -> (tokens, async)
+        self._hit_split: dict[str, tuple[int, int]] = {}  # req -> (memory, Redis) tokens
         self._loads: list[ChunkTransfer] = []
         self._async_loads: list[ChunkTransfer] = []
-        self._newly_held: set[str] = set()  # finished since the last plan, blocks held
-        self._held: set[str] = set()  # held until the workers report them sent
+        # Block id -> the request whose latest planned save reads it. When vLLM hands such
+        # a block out again, the plan makes the workers finish that request's copies first.
+        self._readers: dict[int, str] = {}
         self._evictions_reported = 0
         self.resumed_requests = 0  # preempted requests seen coming back
 
@@ -75,7 +80,7 @@ class SchedulerHalf:
             if reason:
                 logger.debug("kvconnector: not caching request %s (%s)",
                              request.request_id, reason)
-            st = RequestState(request, request_seed(self.fingerprint, request.cache_salt), reason)
+            st = RequestState(request, request_seed(self._seed, request.cache_salt), reason)
             self._requests[request.request_id] = st
         return st
 
@@ -142,6 +147,7 @@ class SchedulerHalf:
         block_ids = blocks.get_block_ids()[0]
         c, bs = self.config.chunk_size, self.block_size
         planned = self._async_loads if load_async else self._loads
+        redis_tokens = 0
         for ci in range(start // c, -(-end // c)):
             h = st.hashes[ci]
             from_redis = h not in self.index
@@ -160,13 +166,22 @@ class SchedulerHalf:
                 tok = ci * c + j * bs
                 ids.append(block_ids[tok // bs] if start <= tok < end else -1)
             planned.append(ChunkTransfer(request.request_id, ci, h, slot, ids, from_redis))
+            if from_redis:
+                redis_tokens += min(end, (ci + 1) * c) - max(start, ci * c)
+        self._hit_split[request.request_id] = (num_external_tokens - redis_tokens, redis_tokens)
         self.stats.add(hit_tokens=num_external_tokens)
 
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        """vLLM's per-tier count of a hit: host memory or Redis."""
+        memory, redis = self._hit_split.pop(request.request_id, (num_external_tokens, 0))
+        labels = compat.hit_source_labels()
+        return {label: n for label, n in zip(labels, (memory, redis), strict=True) if n}
+
     def build_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
-        plan = StepPlan(loads=self._loads, async_loads=self._async_loads,
-                        held=self._newly_held,
-                        preempted=set(scheduler_output.preempted_req_ids or ()))
-        self._loads, self._async_loads, self._newly_held = [], [], set()
+        fence = {self._readers.pop(b) for b in compat.blocks_handed_out(scheduler_output)
+                 if b in self._readers}
+        plan = StepPlan(loads=self._loads, async_loads=self._async_loads, fence=fence)
+        self._loads, self._async_loads = [], []
         self.resumed_requests += len(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
         c = self.config.chunk_size
         for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -194,7 +209,7 @@ class SchedulerHalf:
                     break
                 blocks = block_ids[ci * self.blocks_per_chunk:(ci + 1) * self.blocks_per_chunk]
                 plan.saves.append(ChunkTransfer(req_id, ci, h, slot, list(blocks)))
-                st.saving = True
+                self._readers.update((b, req_id) for b in blocks if b >= 0)
             st.stored = n_full
         self.index.unpin_all()
         return plan
@@ -209,18 +224,35 @@ class SchedulerHalf:
                 if st is not None:
                     st.load_limit = min(index, st.load_limit if st.load_limit is not None
                                         else index)
-        self._held.difference_update(output.finished_sending or ())
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Finished or aborted: a request with saves planned keeps its blocks until the
-        workers have copied them out (they report it in ``finished_sending``)."""
-        st = self._requests.pop(request.request_id, None)
+        """Finished or aborted: its blocks go back to vLLM at once, as without a connector
+        (so ``reset_prefix_cache`` succeeds right after a request). Saves still queued on
+        them are fenced when vLLM hands those blocks out again (``build_meta``)."""
+        self._requests.pop(request.request_id, None)
         self._lookup_start.pop(request.request_id, None)
-        if st is None or not st.saving:
-            return False, None
-        self._newly_held.add(request.request_id)
-        self._held.add(request.request_id)
-        return True, None
+        self._hit_split.pop(request.request_id, None)
+        return False, None
+
+    def reset(self) -> None:
+        """vLLM's cache reset (after a weight update, on sleep): every chunk stored so far
+        becomes unreachable for this engine, in memory and in Redis.
+
+        The hash chains restart from a new random seed: nothing is deleted and nothing
+        global is written, so other engines keep using those chunks until they reset too.
+        A per-engine random seed, not a counter, because two engines that each reset once
+        may hold different weights; sharing between them would serve wrong KV.
+        """
+        self._seed = reset_seed(self.fingerprint, secrets.token_bytes(16))
+        forgotten = len(self.index)
+        self.index.clear()
+        for req_id, st in list(self._requests.items()):
+            if st.request.num_computed_tokens == 0:
+                del self._requests[req_id]  # starts afresh under the new seed
+            elif not st.skip_reason:
+                st.skip_reason = "computed before a cache reset"
+        self._lookup_start.clear()
+        logger.info("kvconnector: cache reset, %d stored chunks forgotten", forgotten)
 
     def shutdown(self) -> None:
         if self._lookups is not None:
@@ -228,14 +260,12 @@ class SchedulerHalf:
         if self.redis is not None:
             self.redis.close()
 
-    def has_held_requests(self) -> bool:
-        return bool(self._held)
-
     def outstanding(self) -> dict[str, int]:
         """Per-request state still held; all zero once every request has finished."""
         return {"requests": len(self._requests), "lookups": len(self._lookup_start),
+                "hit_splits": len(self._hit_split),
                 "planned_loads": len(self._loads) + len(self._async_loads),
-                "pinned_slots": self.index.pinned, "held_requests": len(self._held)}
+                "pinned_slots": self.index.pinned}
 
     def take_stats(self) -> TransferStats | None:
         new_evictions = self.index.evictions - self._evictions_reported

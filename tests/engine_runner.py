@@ -115,29 +115,32 @@ def _race(llm, step: dict) -> dict:
 _GATE = threading.Event()
 
 
-def _copy_gate(worker, close: bool) -> bool:
+def _copy_gate(worker, close: bool, after_s: float = 0.0) -> bool:
     """Closed: a job that blocks the worker's copy thread, so every later save or async load
-    stays queued until the gate opens."""
+    stays queued until the gate opens (``after_s`` seconds from now)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     if close:
         _GATE.clear()
         get_kv_transfer_group().worker.copies.submit(_GATE.wait, [], [])
+    elif after_s:
+        threading.Timer(after_s, _GATE.set).start()
     else:
         _GATE.set()
     return True
 
 
-def _preemption_wait(worker) -> dict:
+def _fence_wait(worker) -> dict:
     """With a finished request's saves stuck behind the closed copy gate, tell the worker the
-    request was preempted: ``handle_preemptions`` must not return before those saves ran."""
+    request's blocks are handed out again: ``handle_preemptions`` must not return before
+    those saves ran."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from kvconnector.metadata import StepPlan
 
     half = get_kv_transfer_group().worker
     pending = list(half.copies._by_request)
-    plan = StepPlan(preempted=set(pending))
+    plan = StepPlan(fence=set(pending))
     waiter = threading.Thread(target=half.handle_preemptions, args=(plan,))
     waiter.start()
     waiter.join(0.5)
@@ -146,6 +149,16 @@ def _preemption_wait(worker) -> dict:
     waiter.join(30)
     return {"pending_requests": len(pending), "returned_while_queued": returned_while_queued,
             "returned": not waiter.is_alive()}
+
+
+def _scale_weight(worker, name: str, factor: float) -> bool:
+    """Change the engine's weights in place, as an RL weight sync does."""
+    import torch
+
+    params = dict(worker.model_runner.model.named_parameters())
+    with torch.no_grad():
+        params[name].mul_(factor)
+    return True
 
 
 def _scheduler_outstanding(llm) -> dict:
@@ -270,7 +283,8 @@ def _main(spec_path: str, out_path: str) -> None:
     kw = dict(model=spec["model"], dtype=spec.get("dtype", "float32"),
               kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
               enable_prefix_caching=spec.get("prefix_caching", False),
-              max_model_len=spec.get("max_model_len", 4096), enforce_eager=True, seed=0)
+              max_model_len=spec.get("max_model_len", 4096), enforce_eager=True, seed=0,
+              disable_log_stats=not spec.get("log_stats", False))
     if spec.get("connector") is not None:
         kw["kv_transfer_config"] = connector_config(spec["connector"])
     llm = LLM(**kw)
@@ -282,9 +296,12 @@ def _main(spec_path: str, out_path: str) -> None:
                                 ignore_eos=True)
             outs = []
             for p in step["prompts"]:
+                start = time.perf_counter()
                 o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
                 outs.append({"tokens": list(o.outputs[0].token_ids),
                              "cached": o.num_cached_tokens})
+                if step.get("timed"):
+                    outs[-1]["seconds"] = time.perf_counter() - start
             results.append(outs)
         elif op == "totals":
             per_rank = llm.collective_rpc(_worker_totals)
@@ -306,9 +323,10 @@ def _main(spec_path: str, out_path: str) -> None:
         elif op == "race":
             results.append(_race(llm, step))
         elif op == "copy_gate":
-            results.append(llm.collective_rpc(_copy_gate, args=(step["close"],)))
-        elif op == "preemption_wait":
-            results.append(llm.collective_rpc(_preemption_wait)[0])
+            results.append(llm.collective_rpc(
+                _copy_gate, args=(step["close"], step.get("after_s", 0.0))))
+        elif op == "fence_wait":
+            results.append(llm.collective_rpc(_fence_wait)[0])
         elif op == "redis_keys":
             results.append(_redis_keys(llm, step))
         elif op == "fault_while_parked":
@@ -318,6 +336,21 @@ def _main(spec_path: str, out_path: str) -> None:
         elif op == "sleep":
             time.sleep(step["seconds"])
             results.append(True)
+        elif op == "scale_weight":
+            results.append(llm.collective_rpc(_scale_weight,
+                                              args=(step["name"], step["factor"])))
+        elif op == "reset_prefix_cache":
+            results.append(llm.reset_prefix_cache(
+                reset_connector=step.get("reset_connector", False)))
+        elif op == "scheduler_attr":
+            results.append(getattr(llm.llm_engine.engine_core.engine_core.scheduler,
+                                   step["name"]))
+        elif op == "cached_by_source":  # vLLM's own metric, needs "log_stats"
+            results.append({m.labels["source"]: m.value for m in llm.get_metrics()
+                            if m.name == "vllm:prompt_tokens_cached_by_source" and m.value})
+        elif op == "sleep_wake":
+            llm.sleep(level=step.get("level", 1))
+            results.append(llm.wake_up())
         else:
             raise ValueError(f"unknown step {op}")
     json.dump(results, open(out_path, "w"))

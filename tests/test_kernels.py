@@ -122,7 +122,7 @@ def test_scatter_matches_reference(family, dtype, split):
     assert torch.equal(bits(back), torch.where(mask[..., None, None], bits(chunks), 0))
 
 
-@pytest.mark.parametrize("family", ["v032-LBNHC", "v032-BHLNC", "old-HND", "mla", "cpu-pages"])
+@pytest.mark.parametrize("family", ["kv-LBNHC", "kv-BHLNC", "kv-LHBNC", "mla-LBHNC", "cpu-pages"])
 def test_small_tiles_odd_heads(family, monkeypatch):
     """Several row and column tiles per block, with partial (masked) tiles."""
     monkeypatch.setattr(triton_copy, "_TILE_BYTES", 192)  # not even a power of 2
@@ -140,7 +140,7 @@ def test_small_tiles_odd_heads(family, monkeypatch):
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(dst, dst_ref, strict=True))
 
 
-@pytest.mark.parametrize("family", ["v032-LBHNC", "old-NHD", "cpu-pages"])
+@pytest.mark.parametrize("family", ["kv-LBHNC", "kv-BLNHC", "cpu-pages"])
 def test_block_size_128(family):
     layers, layout = setup(family, torch.bfloat16, block_size=128, num_layers=1)
     ids = torch.tensor([[6], [-1], [1]])
@@ -151,7 +151,7 @@ def test_block_size_128(family):
 
 
 def test_no_chunks_is_a_no_op():
-    layers, layout = setup("old-NHD", torch.float16)
+    layers, layout = setup("kv-LBNHC", torch.float16)
     ids = torch.empty((0, 2), dtype=torch.int64)
     buf = chunk_buffer(layers, layout, ids)
     triton_copy.gather(layers, layout, ids, buf)
@@ -165,7 +165,7 @@ def test_dispatch_uses_reference_on_cpu(monkeypatch):
     monkeypatch.setattr(reference, "scatter", lambda *a: calls.append("scatter"))
     monkeypatch.setattr(triton_copy, "gather", lambda *a: pytest.fail("used Triton on CPU"))
     monkeypatch.setattr(triton_copy, "scatter", lambda *a: pytest.fail("used Triton on CPU"))
-    layers, layout = setup("mla", torch.float32)
+    layers, layout = setup("mla-LBHNC", torch.float32)
     ids = torch.tensor([[1, 2]])
     buf = chunk_buffer(layers, layout, ids)
     kernels.gather(layers, layout, ids, buf)
@@ -178,7 +178,7 @@ def test_dispatch_uses_triton_on_cuda(monkeypatch):
     calls = []
     monkeypatch.setattr(triton_copy, "gather", lambda *a: calls.append("gather"))
     monkeypatch.setattr(triton_copy, "scatter", lambda *a: calls.append("scatter"))
-    layers, layout = setup("mla", torch.float32)
+    layers, layout = setup("mla-LBHNC", torch.float32)
     ids = torch.tensor([[1, 2]])
     buf = chunk_buffer(layers, layout, ids)
     kernels.gather(layers, layout, ids, buf)
@@ -194,7 +194,7 @@ def test_importing_kernels_does_not_import_triton():
 
 
 def _bad_calls():
-    layers, layout = setup("old-NHD", torch.float16)
+    layers, layout = setup("kv-LBNHC", torch.float16)
     ids = torch.tensor([[1, 2]])
     good = chunk_buffer(layers, layout, ids)
     yield "shape", (layers, layout, ids, good[:, :1]), ValueError, "expected"
@@ -208,7 +208,7 @@ def _bad_calls():
         "contiguous"
     odd = [layers[0], layers[1].transpose(2, 3).contiguous().transpose(2, 3)]
     yield "layer strides", (odd, layout, ids, good), ValueError, "strides"
-    dl, dlay = setup("old-NHD", torch.float32)
+    dl, dlay = setup("kv-LBNHC", torch.float32)
     dl = [t.double() for t in dl]
     dlay = describe_layers({f"l{i}": t for i, t in enumerate(dl)}, num_kv_heads=2, head_size=8)
     yield "unsupported dtype", (dl, dlay, ids, chunk_buffer(dl, dlay, ids)), TypeError, \
@@ -233,7 +233,7 @@ def test_bad_calls_fail_loudly(name):
 @pytest.mark.skipif(DEVICE == "cuda", reason="CPU tensors are fine on the interpreter only")
 def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
     monkeypatch.setattr(triton_copy, "_INTERPRETED", False)
-    layers, layout = setup("mla", torch.float16)
+    layers, layout = setup("mla-LBHNC", torch.float16)
     ids = torch.tensor([[0, 1]])
     with pytest.raises(ValueError, match="kvconnector.kernels"):
         triton_copy.gather(layers, layout, ids, chunk_buffer(layers, layout, ids))
@@ -244,14 +244,14 @@ def test_host_transfer_needs_cuda():
 
     if torch.cuda.is_available():
         pytest.skip("checks the message on machines without CUDA")
-    layers, layout = setup("old-NHD", torch.float16)
+    layers, layout = setup("kv-LBNHC", torch.float16)
     with pytest.raises(RuntimeError, match="CUDA"):
         HostTransfer(layers, layout, kernel_blocks_per_chunk=2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="needs a GPU: host transfer uses CUDA streams, events, pinned memory")
-@pytest.mark.parametrize("family", ["v032-LBNHC", "v032-BLHNC", "old-NHD", "mla", "cpu-pages"])
+@pytest.mark.parametrize("family", ["kv-LBNHC", "kv-BLHNC", "kv-LHBNC", "mla-LBHNC", "cpu-pages"])
 def test_host_transfer_round_trip(family):
     from kvconnector.kernels.host_transfer import HostTransfer
 
@@ -278,7 +278,7 @@ def test_host_transfer_round_trip(family):
 def test_host_transfer_waits_for_compute_stream():
     from kvconnector.kernels.host_transfer import HostTransfer
 
-    layers, layout = setup("v032-LBNHC", torch.float16)
+    layers, layout = setup("kv-LBNHC", torch.float16)
     ids = torch.tensor([[0, 1]])
     xfer = HostTransfer(layers, layout, kernel_blocks_per_chunk=2)
     host = xfer.alloc_host(1)

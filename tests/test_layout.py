@@ -1,38 +1,62 @@
+"""layout.describe against the KV tensors the installed vLLM really registers: every layout
+family, and every attention backend vLLM ships that imports here."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvconnector import compat
 from kvconnector.kernels import reference
 from kvconnector.layout import LayoutError, describe, describe_layers
-from tests.layouts import FAMILIES, logical_kv, make_case
+from tests.layouts import (
+    FAMILIES,
+    ORDERS,
+    Case,
+    fill,
+    fresh_like,
+    logical_kv,
+    make_case,
+    vllm_layers,
+)
+
+# Backends common models run on: a regression that refuses them must fail here.
+MUST_SUPPORT = {"FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHMLA", "TRITON_MLA",
+                "CPU_ATTN", "CPU_MLA", "AMX_MLA"}
 
 
 def _describe(case):
     return describe_layers({str(i): t for i, t in enumerate(case.layers)}, **case.describe_kw)
 
 
+def _check_round_trip(case: Case, ids: torch.Tensor) -> None:
+    """Gather ``ids`` into chunks and scatter them into a second cache: the blocks named
+    hold the source's values, every other block is untouched."""
+    layout = _describe(case)
+    chunks = torch.empty((ids.shape[0], len(case.layers), *layout.chunk_shape(ids.shape[1])),
+                         dtype=layout.dtype)
+    reference.gather(case.layers, layout, ids, chunks)
+    gen = torch.Generator().manual_seed(1)
+    target = Case(case.family, fresh_like(case.layers, gen), case.describe_kw)
+    before = [t.clone() for t in target.layers]
+    reference.scatter(chunks, layout, ids, target.layers)
+    named = set(ids.flatten().tolist())
+    n = layout.kernel_block_size
+    for li in range(len(case.layers)):
+        for b in range(layout.num_blocks):
+            for tok in (0, n - 1):
+                want = logical_kv(case if b in named else Case("", before, case.describe_kw),
+                                  li, b, tok)
+                assert torch.equal(logical_kv(target, li, b, tok), want), (li, b, tok)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
 def test_round_trip_through_chunks(family, dtype):
-    case = make_case(family, dtype=dtype)
-    layout = _describe(case)
-    ids = torch.tensor([[3, 7], [11, 0]])
-    chunks = torch.empty((2, len(case.layers), *layout.chunk_shape(2)), dtype=dtype)
-    reference.gather(case.layers, layout, ids, chunks)
-    target = make_case(family, dtype=dtype, seed=1)
-    before = [t.clone() for t in target.layers]
-    reference.scatter(chunks, layout, ids, target.layers)
-    for li in range(len(case.layers)):
-        for b in range(layout.num_blocks):
-            for tok in (0, 15):
-                got, src, old = (logical_kv(c, li, b, tok) for c in (
-                    target, case, type(case)(family, before, case.describe_kw)))
-                want = src if b in (3, 7, 11, 0) else old
-                assert torch.equal(got, want), (family, li, b, tok)
+    _check_round_trip(make_case(family, dtype=dtype), torch.tensor([[3, 7], [11, 0]]))
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("cpu-pages",)])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "cpu-pages"])
 def test_chunks_use_the_lmcache_token_layout(family):
     """chunk[c, layer, :, t] is token t's K|V (or latent), blocks in plan order."""
     case = make_case(family, block_size=4)
@@ -44,47 +68,128 @@ def test_chunks_use_the_lmcache_token_layout(family):
         for t in range(8):
             block, tok = (5, 2)[t // 4], t % 4
             want = logical_kv(case, li, block, tok)
-            if family == "mla":
-                got = chunks[0, li, 0, t, 0]
+            if case.describe_kw["mla"]:
+                got = chunks[0, li, 0, t]
             else:
                 got = torch.cat([chunks[0, li, 0, t], chunks[0, li, 1, t]], dim=-1)
             assert torch.equal(got, want)
 
 
-def test_minus_one_is_zeros_on_gather_and_untouched_on_scatter():
-    case = make_case("v032-LBNHC")
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("block_size, num_blocks", [(16, 12), (128, 3)])
+def test_mirror_builds_what_vllm_builds(family, block_size, num_blocks):
+    """The GPU machine has no vLLM; its kernel tests use the mirror, which must lay tensors
+    out exactly as the installed vLLM does."""
+    kw = {"block_size": block_size, "num_blocks": num_blocks, "dtype": torch.bfloat16}
+    real, mirror = make_case(family, **kw), make_case(family, use_vllm=False, **kw)
+    assert real.describe_kw == mirror.describe_kw
+    for a, b in zip(real.layers, mirror.layers, strict=True):
+        assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+    offsets = [t.storage_offset() for t in real.layers]
+    assert [o - offsets[0] for o in offsets] == [
+        t.storage_offset() - mirror.layers[0].storage_offset() for t in mirror.layers]
+
+
+def _backends():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return [m.name for m in AttentionBackendEnum if m.value]
+
+
+def _backend_class(name: str):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    try:
+        return AttentionBackendEnum[name].get_class()
+    except Exception as e:  # GPU-only modules, missing optional packages
+        pytest.skip(f"{name} does not import here: {type(e).__name__}: {e}"[:300])
+
+
+def _backend_spec(backend):
+    """The spec a vLLM worker builds for one layer on ``backend``: the model's spec, then
+    the backend's own adjustments (``customize_attention_spec``)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from vllm.v1.worker.utils import customize_attention_spec
+
+    block_size = backend.get_preferred_block_size(64)
+    if backend.is_mla():
+        spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=576,
+                                dtype=torch.bfloat16)
+    else:
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=4, head_size=64,
+                                 dtype=torch.bfloat16)
+    return customize_attention_spec(backend, spec)
+
+
+@pytest.mark.parametrize("name", _backends())
+def test_every_vllm_backend_is_described_or_refused_clearly(name):
+    """For each backend and each layout it supports, the tensors vLLM registers either
+    round-trip through chunks token by token, or are refused at start-up with a message."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import select_common_block_size
+
+    backend = _backend_class(name)
+    spec = _backend_spec(backend)
+    on_cpu = name == "CPU_ATTN"
+    try:
+        kw = compat.layout_kw(spec, on_cpu=on_cpu)
+    except LayoutError as e:
+        assert name not in MUST_SUPPORT, e
+        assert "kvconnector cannot store this model's KV cache" in str(e)
+        return
+    kernel = select_common_block_size(spec.block_size, [backend], [spec])
+    for order in backend.supported_kv_cache_layouts() or [KVCacheLayout[o] for o in ORDERS]:
+        # vLLM never splits blocks into kernel blocks in block-outermost layouts, and
+        # refuses to where a block is not one dense page: no engine runs those.
+        split = kernel if order.is_layer_compact else None
+        try:
+            layers = vllm_layers(spec, order.name, num_layers=2, num_blocks=6,
+                                 kernel_block_size=split)
+        except ValueError as e:
+            assert "cannot be split" in str(e)
+            continue
+        gen = torch.Generator().manual_seed(0)
+        for t in layers:
+            fill(t, gen)
+        case = Case(f"{name}/{order.name}", layers, kw)
+        ratio = layers[0].shape[0] // 6
+        ids = torch.tensor([[r * ratio + j for r in (4, 1) for j in range(ratio)]])
+        _check_round_trip(case, ids)
+
+
+def test_common_backends_are_supported():
+    names = set(_backends())
+    assert MUST_SUPPORT <= names, MUST_SUPPORT - names
+
+
+def test_mla_is_the_4d_view_vllm_registers():
+    case = make_case("mla-LBHNC", latent=24)
+    assert case.layers[0].shape == (12, 1, 16, 24)
     layout = _describe(case)
-    ids = torch.tensor([[4, -1]])
-    chunks = torch.full((1, 2, *layout.chunk_shape(2)), 9.0)
-    reference.gather(case.layers, layout, ids, chunks)
-    assert torch.all(chunks[0, :, :, 16:] == 0)
-    before = [t.clone() for t in case.layers]
-    chunks.fill_(5.0)
-    reference.scatter(chunks, layout, torch.tensor([[-1, -1]]), case.layers)
-    assert all(torch.equal(a, b) for a, b in zip(before, case.layers, strict=True))
+    assert layout.family == "mla" and layout.sizes == (1, 12, 16, 1, 24)
 
 
 def test_layouts_are_read_from_strides():
-    nhd = describe(make_case("v032-LBNHC").layers[0], num_kv_heads=2, head_size=8)
-    hnd = describe(make_case("v032-LBHNC").layers[0], num_kv_heads=2, head_size=8)
+    nhd = _describe(make_case("kv-LBNHC"))
+    hnd = _describe(make_case("kv-LBHNC"))
     assert nhd.sizes == hnd.sizes == (2, 12, 16, 2, 8)
     assert nhd.strides != hnd.strides
-    pages = describe(make_case("cpu-pages").layers[0], num_kv_heads=2, head_size=8,
-                     cpu_pages=True)
+    pages = _describe(make_case("cpu-pages"))
     assert pages.family == "cpu-pages" and pages.sizes == (1, 12, 1, 2, 16 * 16)
 
 
 def test_bad_tensors_get_clear_errors():
     with pytest.raises(LayoutError, match="heads"):
         describe(torch.empty(4, 3, 16, 16), num_kv_heads=2, head_size=8)
-    with pytest.raises(LayoutError, match="cannot be told apart"):
-        describe(torch.empty(2, 4, 2, 2, 8), num_kv_heads=2, head_size=8)
-    with pytest.raises(LayoutError, match="3D .* 4D or 5D"):
-        describe(torch.empty(4, 4), num_kv_heads=2, head_size=8)
-    a, b = make_case("old-NHD").layers[0], make_case("old-NHD", block_size=32).layers[0]
+    with pytest.raises(LayoutError, match="MLA expects"):
+        describe(torch.empty(4, 2, 16, 24), num_kv_heads=1, head_size=24, mla=True)
+    with pytest.raises(LayoutError, match="4D"):
+        describe(torch.empty(2, 4, 16, 2, 8), num_kv_heads=2, head_size=8)
+    a = make_case("kv-LBNHC").layers[0]
+    b = make_case("kv-LBNHC", block_size=32).layers[0]
     with pytest.raises(LayoutError, match="share a layout"):
         describe_layers({"a": a, "b": b}, num_kv_heads=2, head_size=8)
     with pytest.raises(ValueError, match="expected"):
-        case = make_case("old-NHD")
+        case = make_case("kv-LBNHC")
         reference.gather(case.layers, _describe(case), torch.tensor([[0]]),
                          torch.empty(1, 2, 2, 99, 2, 8))

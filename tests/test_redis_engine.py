@@ -38,13 +38,36 @@ def test_second_engine_serves_first_engines_chunks(tiny_model, tmp_path_factory,
     assert first[2]["puts"] >= 2
     assert len(redis_server.client().keys("e2e:*")) >= 2
     second = run_engine(tmp_path_factory.mktemp("redis-b"), {
-        "model": tiny_model, "connector": extra, "steps": [
-            {"op": "generate", "prompts": [P1]}, {"op": "totals"}]})
+        "model": tiny_model, "connector": extra, "log_stats": True, "steps": [
+            {"op": "generate", "prompts": [P1]}, {"op": "totals"},
+            {"op": "cached_by_source"}]})
     out, totals = second[0][0], second[1]
+    assert second[2] == {"disk": 2 * CHUNK}  # vLLM's label for a storage tier
     assert out["cached"] == 2 * CHUNK
     assert totals["redis_loaded_chunks"] == 2 and totals["load_errors"] == 0
     assert first[0][0]["tokens"] == baseline[0]
     assert out["tokens"] == baseline[0]
+
+
+def test_reset_hides_redis_chunks_from_this_engine_only(tiny_model, tmp_path_factory, baseline,
+                                                        redis_server):
+    """After a cache reset the engine finds none of the chunks stored before it, Redis
+    included; an engine that did not reset still finds them."""
+    extra = {"memory_capacity": "64MiB", "redis_url": redis_server.url}
+    first = run_engine(tmp_path_factory.mktemp("redis-reset"), {
+        "model": tiny_model, "connector": extra, "steps": [
+            {"op": "generate", "prompts": [P1]}, {"op": "flush"},
+            {"op": "reset_prefix_cache", "reset_connector": True},
+            {"op": "generate", "prompts": [P1]}, {"op": "flush"}, {"op": "totals"}]})
+    assert first[2] is True
+    assert first[3][0]["cached"] == 0 and first[5]["redis_loaded_chunks"] == 0
+    assert first[3][0]["tokens"] == baseline[0]
+    assert len(redis_server.client().keys("kvc:*")) >= 4  # both generations' chunks
+    other = run_engine(tmp_path_factory.mktemp("redis-reset-other"), {
+        "model": tiny_model, "connector": extra, "steps": [
+            {"op": "generate", "prompts": [P1]}, {"op": "totals"}]})
+    assert other[0][0]["cached"] == 2 * CHUNK and other[1]["redis_loaded_chunks"] == 2
+    assert other[0][0]["tokens"] == baseline[0]
 
 
 def test_frozen_redis_holds_up_only_the_request_that_needs_it(tiny_model, tmp_path_factory,

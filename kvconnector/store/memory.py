@@ -104,6 +104,12 @@ class MemoryIndex:
     def unpin_all(self) -> None:
         self._pinned.clear()
 
+    def clear(self) -> None:
+        """Forget every chunk (a cache reset): all slots are free again."""
+        self._slots.clear()
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._pinned.clear()
+
 
 @dataclass(frozen=True)
 class SlotHeader:

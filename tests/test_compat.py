@@ -1,0 +1,53 @@
+"""The vLLM versions and modes kvconnector accepts, and what it tells vLLM about itself."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvconnector import compat
+from kvconnector.config import ConfigError
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.33.0", "0.33.2.dev7+g1234abc"])
+def test_supported_vllm_versions_start(version):
+    compat.check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.9", "0.34.0", "1.0.0"])
+def test_other_vllm_versions_are_refused_with_a_clear_message(version, monkeypatch):
+    monkeypatch.delenv(compat.ALLOW_UNTESTED_ENV, raising=False)
+    with pytest.raises(compat.UnsupportedVLLM) as e:
+        compat.check_vllm_version(version)
+    assert f"kvconnector supports vLLM 0.32, 0.33, but vLLM {version} is installed" in str(
+        e.value)
+    assert compat.ALLOW_UNTESTED_ENV in str(e.value)
+
+
+def test_untested_vllm_can_be_allowed_explicitly(monkeypatch, caplog):
+    monkeypatch.setenv(compat.ALLOW_UNTESTED_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger="kvconnector.compat"):
+        compat.check_vllm_version("0.34.0")
+    assert "vLLM 0.34.0 is installed" in caplog.text
+
+
+def test_the_installed_vllm_is_supported():
+    compat.check_vllm_version()
+
+
+def test_sleep_mode_is_refused_at_start_up(tiny_model):
+    """vLLM refuses enable_sleep_mode on CPU itself, so the flag is set on a real config
+    after it is built, as it would be on a GPU."""
+    from vllm.config import ModelConfig, VllmConfig
+
+    model_config = ModelConfig(model=tiny_model)
+    compat.check_sleep_mode(VllmConfig(model_config=model_config))
+    model_config.enable_sleep_mode = True
+    with pytest.raises(ConfigError, match="does not support vLLM's sleep mode"):
+        compat.check_sleep_mode(VllmConfig(model_config=model_config))
+
+
+def test_hits_are_labelled_host_memory_and_storage():
+    host, redis = compat.hit_source_labels()
+    assert (host.value, redis.value) == ("host", "disk")

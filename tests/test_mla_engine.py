@@ -1,0 +1,34 @@
+"""An MLA model (tiny random-weight DeepSeek-V2) on a real engine: vLLM registers its KV as
+``[blocks, 1, block_size, 576]`` latents, which the connector stores and loads back."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import prompt, run_engine
+
+pytestmark = pytest.mark.engine
+
+CHUNK = 256
+P1 = prompt(1, 700)
+MEM = {"memory_capacity": "64MiB"}
+
+
+def test_mla_model_reloads_its_latents(tiny_mla_model, tmp_path_factory):
+    base = run_engine(tmp_path_factory.mktemp("mla-base"), {
+        "model": tiny_mla_model, "connector": None,
+        "steps": [{"op": "generate", "prompts": [P1]}]}, timeout=300)
+    res = run_engine(tmp_path_factory.mktemp("mla"), {
+        "model": tiny_mla_model, "connector": MEM, "steps": [
+            {"op": "generate", "prompts": [P1]},  # 0
+            {"op": "generate", "prompts": [P1]},  # 1: both chunks from the store
+            {"op": "corrupt", "prompt": P1, "chunk": 0, "reseal": True},  # 2
+            {"op": "corrupt", "prompt": P1, "chunk": 1, "reseal": True},  # 3
+            {"op": "generate", "prompts": [P1]},  # 4: sealed noise is loaded
+            {"op": "totals"}]}, timeout=300)
+    want = base[0][0]["tokens"]
+    assert res[0][0]["tokens"] == want
+    assert res[1][0]["cached"] == 2 * CHUNK and res[1][0]["tokens"] == want
+    assert res[2] == [True] and res[3] == [True]
+    assert res[4][0]["cached"] == 2 * CHUNK and res[5]["load_errors"] == 0
+    assert res[4][0]["tokens"] != want, "the loaded latents were not used"

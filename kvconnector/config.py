@@ -86,7 +86,9 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
-        extra = dict(extra or {})
+        from kvconnector.lmcache_config import translate  # LMCache settings -> these keys
+
+        extra, _ = translate(dict(extra or {}))
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(extra) - known)
         if unknown:

@@ -12,6 +12,7 @@ from kvconnector import compat
 from kvconnector.config import ConnectorConfig
 from kvconnector.keys import ChunkKey, chunk_hashes, request_seed, reset_seed
 from kvconnector.metadata import ChunkTransfer, StepPlan, WorkerReport
+from kvconnector.metrics import StoreTap, hit_tokens_by_tier
 from kvconnector.stats import TransferStats
 from kvconnector.store import MemoryIndex, open_redis
 
@@ -71,6 +72,8 @@ class SchedulerHalf:
         # a block out again, the plan makes the workers finish that request's copies first.
         self._readers: dict[int, str] = {}
         self._evictions_reported = 0
+        self._redis_tap = StoreTap()
+        self._slots_reported: int | None = None
         self.resumed_requests = 0  # preempted requests seen coming back
 
     def _state(self, request: Request) -> RequestState:
@@ -211,6 +214,7 @@ class SchedulerHalf:
                 plan.saves.append(ChunkTransfer(req_id, ci, h, slot, list(blocks)))
                 self._readers.update((b, req_id) for b in blocks if b >= 0)
             st.stored = n_full
+        self.stats.add(**hit_tokens_by_tier(plan.loads + plan.async_loads, self.block_size))
         self.index.unpin_all()
         return plan
 
@@ -272,6 +276,11 @@ class SchedulerHalf:
         if new_evictions:
             self.stats.add(evictions=new_evictions)
             self._evictions_reported = self.index.evictions
+        self.stats.add(**self._redis_tap.counts(self.redis))
+        if len(self.index) != self._slots_reported:
+            self._slots_reported = len(self.index)
+            self.stats.set_gauges(memory_slots_used=len(self.index),
+                                  memory_slots=self.index.num_slots)
         if self.stats.is_empty():
             return None
         stats, self.stats = self.stats, TransferStats()

@@ -1,4 +1,12 @@
-"""Transfer counters, reported through vLLM's connector stats (logged as 'KV Transfer metrics')."""
+"""Transfer counters, reported through vLLM's connector stats: logged as 'KV Transfer metrics'
+and exported on the server's ``/metrics`` (``kvconnector/metrics.py``).
+
+``data`` holds counters (summed when stats are aggregated; a name ``"family.label"``, such
+as ``"load_errors.checksum"``, is one labelled series of ``family``), plus two optional
+entries: ``SAMPLES`` (latency observations for histograms) and ``GAUGES`` (the latest value
+wins). Everything in it is a str-keyed dict of numbers or lists, so it crosses vLLM's
+process boundaries as is.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +20,10 @@ COUNTERS = (
     "saved_chunks", "saved_tokens", "saved_bytes", "save_seconds", "save_errors",
     "hit_tokens", "evictions", "redis_loaded_chunks", "redis_misses",
 )
+SAMPLES = "samples"
+GAUGES = "gauges"
+# Per stats object; vLLM's log line aggregates a whole interval, the histograms one step.
+MAX_SAMPLES = 10_000
 
 
 @dataclass
@@ -22,21 +34,50 @@ class TransferStats(KVConnectorStats):
         for k, v in counts.items():
             self.data[k] = self.data.get(k, 0) + v
 
+    def observe(self, **seconds: float) -> None:
+        """One latency observation per keyword (a histogram sample)."""
+        samples = self.data.setdefault(SAMPLES, {})
+        for name, value in seconds.items():
+            self._extend(samples, name, [value])
+
+    def set_gauges(self, **values: float) -> None:
+        self.data.setdefault(GAUGES, {}).update(values)
+
+    @staticmethod
+    def _extend(samples: dict[str, list[float]], name: str, values: list[float]) -> None:
+        kept = samples.setdefault(name, [])
+        kept.extend(values[:MAX_SAMPLES - len(kept)])
+
+    def counters(self) -> dict[str, float]:
+        return {k: v for k, v in self.data.items() if k not in (SAMPLES, GAUGES)}
+
     def reset(self) -> None:
         self.data = dict.fromkeys(COUNTERS, 0)
 
     def aggregate(self, other: KVConnectorStats) -> TransferStats:
-        out = TransferStats(dict(self.data))
-        out.add(**other.data)
+        out = TransferStats(self.counters())
+        for name, values in self.data.get(SAMPLES, {}).items():
+            out._extend(out.data.setdefault(SAMPLES, {}), name, list(values))
+        out.set_gauges(**self.data.get(GAUGES, {}))
+        for k, v in other.data.items():
+            if k == SAMPLES:
+                for name, values in v.items():
+                    out._extend(out.data.setdefault(SAMPLES, {}), name, list(values))
+            elif k == GAUGES:
+                out.set_gauges(**v)  # ``other`` is the newer report
+            else:
+                out.add(**{k: v})
         return out
 
     def reduce(self) -> dict[str, int | float]:
-        d = dict(self.data)
+        d: dict[str, int | float] = dict(self.counters())
         for op in ("load", "save"):
             secs, nbytes = d.get(f"{op}_seconds", 0), d.get(f"{op}_bytes", 0)
             d[f"{op}_GBps"] = round(nbytes / secs / 1e9, 3) if secs else 0.0
             d[f"{op}_seconds"] = round(secs, 4)
+        d.update(self.data.get(GAUGES, {}))
         return d
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not (any(self.counters().values()) or self.data.get(GAUGES)
+                    or any(self.data.get(SAMPLES, {}).values()))

@@ -18,6 +18,7 @@ from kvconnector.config import ConnectorConfig
 from kvconnector.keys import ChunkKey
 from kvconnector.layout import LayerLayout, LayoutError, describe_layers
 from kvconnector.metadata import ChunkTransfer, StepPlan, WorkerReport
+from kvconnector.metrics import StoreTap
 from kvconnector.stats import TransferStats
 from kvconnector.store import ChunkCorrupt, SlotPool, open_redis
 from kvconnector.store.memory import host_memory
@@ -40,12 +41,14 @@ class WorkerHalf:
                  kv_cache_config: KVCacheConfig) -> None:
         self.config = config
         self.layer_names, self.spec = compat.attention_group(kv_cache_config)
-        self.fingerprint = compat.fingerprint(vllm_config, kv_cache_config, config).digest()
+        self.fingerprint_fields = compat.fingerprint(vllm_config, kv_cache_config, config)
+        self.fingerprint = self.fingerprint_fields.digest()
         self.tp_rank = compat.tp_rank()
         self.num_slots = config.memory_slots(compat.chunk_bytes(kv_cache_config, config))
         config.check_memory_available(*host_memory())
         self.stats = TransferStats()  # since the last report to vLLM
         self.totals = TransferStats()  # since start-up
+        self._redis_tap = StoreTap()
         self._load_errors: set[int] = set()
         self._report = WorkerReport()  # since the last step's report
         self.layers: list[torch.Tensor] = []
@@ -75,7 +78,8 @@ class WorkerHalf:
         self.pool = SlotPool(self.num_slots, shape, self.layout.dtype)
         redis = open_redis(self.config)
         if redis is not None:
-            self.redis_tier = RedisTier(redis, self.pool, self.layout.family)
+            self.redis_tier = RedisTier(redis, self.pool, self.layout.family,
+                                        fingerprint=self.fingerprint_fields)
         if self.layers[0].is_cuda:
             from kvconnector.kernels.host_transfer import HostTransfer
 
@@ -121,8 +125,10 @@ class WorkerHalf:
                     self._host_transfer.stream.synchronize()
                 start = time.perf_counter()
                 n = self.redis_tier.fetch(wanted)
+                elapsed = time.perf_counter() - start
                 self._count(redis_loaded_chunks=n, redis_misses=len(wanted) - n,
-                            load_seconds=time.perf_counter() - start)
+                            load_seconds=elapsed)
+                self._observe(redis_fetch_seconds=elapsed)
             for t in transfers:
                 self._load_chunk(t, on_copy_thread=True)
         finally:  # vLLM releases the request only once it is reported, failed or not
@@ -144,12 +150,15 @@ class WorkerHalf:
                 self._load_errors.update(b for b in t.block_ids if b >= 0)
                 self._report.bad_chunks.add(t.chunk_hash)
                 self._report.note_failed_load(t.req_id, t.index)
-            self._count(load_errors=1)
+            reason = e.reason if isinstance(e, ChunkCorrupt) else "error"
+            self._count(load_errors=1, **{f"load_errors.{reason}": 1})
             return
         n_blocks = sum(b >= 0 for b in t.block_ids)
+        elapsed = time.perf_counter() - start
         self._count(loaded_chunks=1, loaded_tokens=n_blocks * self.spec.block_size,
                     loaded_bytes=self.pool.chunk_bytes * n_blocks // len(t.block_ids),
-                    load_seconds=time.perf_counter() - start)
+                    load_seconds=elapsed)
+        self._observe(chunk_load_seconds=elapsed)
 
     # ---- saves ----
     def save(self, plan: StepPlan) -> None:
@@ -203,8 +212,10 @@ class WorkerHalf:
         except Exception:
             self._save_failed(t)
             return
+        elapsed = time.perf_counter() - start
         self._count(saved_chunks=1, saved_tokens=self.config.chunk_size,
-                    saved_bytes=self.pool.chunk_bytes, save_seconds=time.perf_counter() - start)
+                    saved_bytes=self.pool.chunk_bytes, save_seconds=elapsed)
+        self._observe(chunk_save_seconds=elapsed)
 
     def _save_failed(self, t: ChunkTransfer) -> None:
         logger.exception("kvconnector: saving chunk %s failed", self._key(t))
@@ -242,6 +253,10 @@ class WorkerHalf:
             self.stats.add(**counts)
             self.totals.add(**counts)
 
+    def _observe(self, **seconds: float) -> None:
+        with self._lock:
+            self.stats.observe(**seconds)
+
     def take_load_errors(self) -> set[int]:
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
@@ -271,6 +286,7 @@ class WorkerHalf:
             self.redis_tier.close(max(0.0, deadline - time.monotonic()))
 
     def take_stats(self) -> TransferStats | None:
+        self._count(**self._redis_tap.counts(self.redis_tier))
         with self._lock:
             if self.stats.is_empty():
                 return None

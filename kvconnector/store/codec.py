@@ -175,8 +175,9 @@ _FIELD_TYPES = {
 }
 
 
-def check_header(header: bytes | memoryview, expected: ExpectedChunk) -> Mapping[str, Any]:
-    """Unpack a header with strict limits and compare it with what the reader expects."""
+def unpack_header(header: bytes | memoryview) -> Mapping[str, Any]:
+    """Unpack a header with strict limits and check its fields and version (not what they
+    say: ``check_header`` compares that with what the reader expects)."""
     try:
         fields = msgpack.unpackb(
             header, raw=False, use_list=True, strict_map_key=True,
@@ -198,6 +199,12 @@ def check_header(header: bytes | memoryview, expected: ExpectedChunk) -> Mapping
             raise CorruptValue("header_fields", f"bad {name}: {fields[name]!r}")
     if fields["v"] != FORMAT_VERSION:
         raise CorruptValue("version", f"{fields['v']} != {FORMAT_VERSION}")
+    return fields
+
+
+def check_header(header: bytes | memoryview, expected: ExpectedChunk) -> Mapping[str, Any]:
+    """Unpack a header with strict limits and compare it with what the reader expects."""
+    fields = unpack_header(header)
     if fields["key"] != expected.key:
         raise CorruptValue("key", f"value holds {fields['key']}, expected {expected.key}")
     for name in ("layout", "dtype"):

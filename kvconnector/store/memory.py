@@ -28,7 +28,14 @@ def host_memory() -> tuple[int, int]:
 
 
 class ChunkCorrupt(RuntimeError):
-    """A stored chunk failed its key or checksum check; it must not be used."""
+    """A stored chunk failed its key or checksum check; it must not be used.
+
+    ``reason``: "missing" (no slot), "not_in_slot" (the slot holds no sealed copy of it)
+    or "checksum"."""
+
+    def __init__(self, message: str, reason: str = "corrupt") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class MemoryIndex:
@@ -170,14 +177,15 @@ class SlotPool:
 
     def read(self, slot: int, key: ChunkKey) -> torch.Tensor:
         if not 0 <= slot < self.num_slots:
-            raise ChunkCorrupt(f"chunk {key} has no slot")
+            raise ChunkCorrupt(f"chunk {key} has no slot", "missing")
         header = self._headers[slot]
         if header is None or header.key != key:
-            raise ChunkCorrupt(f"slot {slot} does not hold chunk {key}")
+            raise ChunkCorrupt(f"slot {slot} does not hold chunk {key}", "not_in_slot")
         data = self.buffer[slot]
         if checksum(data) != header.checksum:
             self._headers[slot] = None
-            raise ChunkCorrupt(f"checksum mismatch for chunk {key} in slot {slot}")
+            raise ChunkCorrupt(f"checksum mismatch for chunk {key} in slot {slot}",
+                               "checksum")
         return data
 
     def slot_holding(self, key: ChunkKey) -> int | None:

@@ -11,7 +11,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvconnector.keys import ChunkKey
+from kvconnector.keys import ChunkKey, Fingerprint
+from kvconnector.store import descriptor
 from kvconnector.store.codec import ExpectedChunk, encode_header
 from kvconnector.store.memory import SlotPool
 
@@ -24,11 +25,16 @@ MAX_QUEUED_PUTS = 256
 
 
 class RedisTier:
-    def __init__(self, redis: RedisStore, pool: SlotPool, layout_name: str) -> None:
+    def __init__(self, redis: RedisStore, pool: SlotPool, layout_name: str,
+                 fingerprint: Fingerprint | None = None) -> None:
         self.redis = redis
         self.pool = pool
         self.layout_name = layout_name
         self.dropped_puts = 0
+        # The descriptor (store/descriptor.py) goes out with a put, at least every refresh.
+        self._fingerprint = fingerprint
+        self._descriptor_due = 0.0
+        self._descriptor_every = min(descriptor.REFRESH_S, (redis.ttl_s or float("inf")) / 2)
         self._queue: queue.Queue[tuple[int, ChunkKey] | None] = queue.Queue(MAX_QUEUED_PUTS)
         self._thread = threading.Thread(target=self._put_loop, name="kvconnector-redis-put",
                                         daemon=True)
@@ -80,7 +86,13 @@ class RedisTier:
         payload = self.pool.slot_bytes(slot)
         prefix = encode_header(self.expected(key), payload, crc32=header.checksum,
                                mac_key=self.redis.mac_key)
-        self.redis.put_many([(key, prefix, payload)])
+        items = [(key, prefix, payload)]
+        now = time.monotonic()
+        if self._fingerprint is not None and now >= self._descriptor_due:
+            items.append((descriptor.descriptor_key(key.fingerprint.hex()), b"",
+                          descriptor.encode(self._fingerprint, self.expected(key))))
+        if self.redis.put_many(items) == len(items) and len(items) > 1:
+            self._descriptor_due = now + self._descriptor_every
 
     @property
     def queued(self) -> int:

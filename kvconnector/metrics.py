@@ -1,0 +1,177 @@
+"""kvconnector's Prometheus metrics on vLLM's ``/metrics`` (``build_prom_metrics``), and the
+pieces of ``TransferStats`` that feed them: hit tokens by tier, Redis client counters.
+
+Every metric carries vLLM's own labels (``model_name``, ``engine``); some add one of
+their own (``tier``, ``reason``, ``op``, ``kind``). ``docs/operations.md`` lists them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+from kvconnector.stats import GAUGES, SAMPLES
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter, Gauge, Histogram
+    from vllm.config import VllmConfig
+
+    from kvconnector.metadata import ChunkTransfer
+    from kvconnector.store.redis_store import RedisStore
+    from kvconnector.store.tiering import RedisTier
+
+logger = logging.getLogger("kvconnector.metrics")
+
+PREFIX = "vllm:kvconnector_"  # vLLM unregisters "vllm:" collectors when it rebuilds its own
+LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25,
+                   0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One exported metric: the stats entry it reads, and its extra label if any."""
+
+    entry: str
+    doc: str
+    label: str | None = None
+
+    @property
+    def name(self) -> str:
+        return PREFIX + self.entry
+
+
+COUNTERS = (
+    Family("hit_tokens", "Prompt tokens served from kvconnector's store, by the tier that "
+           "held them (memory, redis).", "tier"),
+    Family("loaded_chunks", "Chunks copied from the memory tier into vLLM's KV cache."),
+    Family("loaded_bytes", "Bytes copied from the memory tier into vLLM's KV cache."),
+    Family("saved_chunks", "Chunks copied out of vLLM's KV cache into the memory tier."),
+    Family("saved_bytes", "Bytes copied out of vLLM's KV cache into the memory tier."),
+    Family("load_errors", "Chunk loads that failed and were recomputed, by reason: missing "
+           "(no slot), not_in_slot (never arrived, e.g. a Redis miss or a failed save), "
+           "checksum, error.", "reason"),
+    Family("save_errors", "Chunk saves that failed (the chunk is a later miss)."),
+    Family("corrupt_values", "Redis values that failed a codec check and were deleted, by "
+           "reason (checksum, mac, key, truncated, ...).", "reason"),
+    Family("evictions", "Chunks evicted from the memory tier (least recently used)."),
+    Family("redis_chunks", "Chunks read from (op=get) or written to (op=put) Redis.", "op"),
+    Family("redis_bytes", "Payload bytes read from (op=get) or written to (op=put) Redis.",
+           "op"),
+    Family("redis_errors", "Failed Redis calls, by kind: error (connection lost or refused, "
+           "error reply), timeout, busy (no free connection).", "kind"),
+    Family("redis_backoffs", "Times a Redis client entered backoff after a fault (calls are "
+           "misses meanwhile)."),
+    Family("redis_reconnects", "Probes that tried Redis again after a backoff."),
+    Family("redis_dropped_puts", "Chunks not sent to Redis because the put queue was full."),
+)
+HISTOGRAMS = (
+    Family("chunk_load_seconds", "Time to check one chunk in the memory tier and copy it into "
+           "vLLM's KV cache."),
+    Family("chunk_save_seconds", "Time to copy one chunk out of vLLM's KV cache into the memory "
+           "tier and seal it (checksum)."),
+    Family("redis_fetch_seconds", "Time to fetch one request's chunks from Redis (one "
+           "pipeline) into memory slots."),
+)
+GAUGE_FAMILIES = (
+    Family("memory_slots_used", "Memory-tier slots holding a chunk (or planned to)."),
+    Family("memory_slots", "Memory-tier slots in all (memory_capacity / chunk bytes)."),
+)
+
+
+def hit_tokens_by_tier(loads: Iterable[ChunkTransfer], block_size: int) -> dict[str, int]:
+    """Tokens a step's loads bring in, as ``hit_tokens.memory`` / ``hit_tokens.redis``."""
+    out: dict[str, int] = {}
+    for t in loads:
+        key = "hit_tokens.redis" if t.from_redis else "hit_tokens.memory"
+        out[key] = out.get(key, 0) + block_size * sum(b >= 0 for b in t.block_ids)
+    return out
+
+
+class StoreTap:
+    """Turns a Redis client's running totals into the increments since the last call."""
+
+    _PLAIN = {"puts": "redis_chunks.put", "put_bytes": "redis_bytes.put",
+              "hits": "redis_chunks.get", "get_bytes": "redis_bytes.get",
+              "errors": "redis_errors.error", "timeouts": "redis_errors.timeout",
+              "busy": "redis_errors.busy", "backoffs": "redis_backoffs",
+              "reconnects": "redis_reconnects"}
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def counts(self, source: RedisStore | RedisTier | None) -> dict[str, float]:
+        """Increments of ``source`` (a store, or a worker's tier: its store and the puts it
+        dropped) since the last call, named as ``TransferStats`` counters."""
+        if source is None:
+            return {}
+        store = getattr(source, "redis", source)
+        snap = store.snapshot()
+        now: dict[str, float] = {self._PLAIN[k]: snap[k] for k in self._PLAIN}
+        for reason, n in snap["corrupt_reasons"].items():
+            now[f"corrupt_values.{reason}"] = n
+        now["redis_dropped_puts"] = getattr(source, "dropped_puts", 0)
+        out = {k: v - self._last.get(k, 0) for k, v in now.items() if v != self._last.get(k, 0)}
+        self._last = now
+        return out
+
+
+class PromMetrics(KVConnectorPromMetrics):
+    """Registers kvconnector's metrics once per server and records each step's stats."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, Counter] = {
+            f.entry: self._counter_cls(name=f.name, documentation=f.doc,
+                                       labelnames=self._labels(f))
+            for f in COUNTERS}
+        self._histograms: dict[str, Histogram] = {
+            f.entry: self._histogram_cls(name=f.name, documentation=f.doc,
+                                         labelnames=self._labels(f), buckets=LATENCY_BUCKETS)
+            for f in HISTOGRAMS}
+        self._gauges: dict[str, Gauge] = {
+            f.entry: self._gauge_cls(name=f.name, documentation=f.doc,
+                                     labelnames=self._labels(f),
+                                     multiprocess_mode="mostrecent")
+            for f in GAUGE_FAMILIES}
+        self._labelled = {f.entry for f in COUNTERS if f.label}
+        self._children: dict[tuple[str, int, str | None], Any] = {}
+
+    def _labels(self, family: Family) -> list[str]:
+        return self._labelnames + ([family.label] if family.label else [])
+
+    def _child(self, metric: Any, entry: str, engine_idx: int, label: str | None) -> Any:
+        key = (entry, engine_idx, label)
+        child = self._children.get(key)
+        if child is None:
+            values = list(self.per_engine_labelvalues[engine_idx])
+            child = self._children[key] = metric.labels(
+                *values, *([label] if label is not None else []))
+        return child
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            if key == SAMPLES:
+                for entry, samples in value.items():
+                    hist = self._histograms.get(entry)
+                    if hist is not None:
+                        child = self._child(hist, entry, engine_idx, None)
+                        for s in samples:
+                            child.observe(s)
+            elif key == GAUGES:
+                for entry, v in value.items():
+                    gauge = self._gauges.get(entry)
+                    if gauge is not None:
+                        self._child(gauge, entry, engine_idx, None).set(v)
+            elif value:
+                entry, _, label = key.partition(".")
+                counter = self._counters.get(entry)
+                # A labelled family exports its labelled entries only (the plain one, e.g.
+                # "load_errors", is their sum, kept for vLLM's log line).
+                if counter is None or bool(label) != (entry in self._labelled) or value < 0:
+                    continue
+                self._child(counter, entry, engine_idx, label or None).inc(value)

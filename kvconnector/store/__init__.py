@@ -8,15 +8,23 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from kvconnector.store.memory import ChunkCorrupt, MemoryIndex, SlotPool
-
 if TYPE_CHECKING:
     from kvconnector.config import ConnectorConfig
+    from kvconnector.store.memory import ChunkCorrupt, MemoryIndex, SlotPool
     from kvconnector.store.redis_store import RedisStore
 
 __all__ = ["ChunkCorrupt", "MemoryIndex", "SlotPool", "open_redis"]
 
 logger = logging.getLogger("kvconnector.store")
+
+
+def __getattr__(name: str) -> Any:
+    # The memory tier needs torch; the codec and Redis tools (the CLI) do not.
+    if name in ("ChunkCorrupt", "MemoryIndex", "SlotPool"):
+        from kvconnector.store import memory
+
+        return getattr(memory, name)
+    raise AttributeError(name)
 
 
 def open_redis(config: ConnectorConfig, *, for_lookups: bool = False) -> RedisStore | None:

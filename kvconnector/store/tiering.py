@@ -34,6 +34,7 @@ class RedisTier:
         # The descriptor (store/descriptor.py) goes out with a put, at least every refresh.
         self._fingerprint = fingerprint
         self._descriptor_due = 0.0
+        self._backoffs_seen = 0
         self._descriptor_every = min(descriptor.REFRESH_S, (redis.ttl_s or float("inf")) / 2)
         self._queue: queue.Queue[tuple[int, ChunkKey] | None] = queue.Queue(MAX_QUEUED_PUTS)
         self._thread = threading.Thread(target=self._put_loop, name="kvconnector-redis-put",
@@ -88,6 +89,9 @@ class RedisTier:
                                mac_key=self.redis.mac_key)
         items = [(key, prefix, payload)]
         now = time.monotonic()
+        if self.redis.stats.backoffs != self._backoffs_seen:  # Redis may have lost data
+            self._backoffs_seen = self.redis.stats.backoffs
+            self._descriptor_due = 0.0
         if self._fingerprint is not None and now >= self._descriptor_due:
             items.append((descriptor.descriptor_key(key.fingerprint.hex()), b"",
                           descriptor.encode(self._fingerprint, self.expected(key))))

@@ -1,0 +1,120 @@
+"""kvconnector's stats and Prometheus metrics without an engine: aggregation across workers
+and steps, what reaches vLLM's registry, and the Redis client counters."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+from kvconnector.connector import KVConnector
+from kvconnector.metadata import ChunkTransfer
+from kvconnector.metrics import COUNTERS, GAUGE_FAMILIES, HISTOGRAMS, StoreTap, hit_tokens_by_tier
+from kvconnector.stats import MAX_SAMPLES, TransferStats
+from kvconnector.store.redis_store import RedisStore
+from tests.redis_server import free_port
+
+LABELS = {"model_name": "m", "engine": "0"}
+
+
+@pytest.fixture
+def prom():
+    unregister_vllm_metrics()
+    metrics = KVConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None),
+        {Counter: Counter, Gauge: Gauge, Histogram: Histogram}, ["model_name", "engine"],
+        {0: ["m", "0"]})
+    yield metrics
+    unregister_vllm_metrics()
+
+
+def value(name: str, **labels: str) -> float | None:
+    return REGISTRY.get_sample_value(name, {**LABELS, **labels})
+
+
+def test_stats_aggregate_counters_samples_and_gauges():
+    a, b = TransferStats(), TransferStats()
+    a.add(loaded_chunks=2, **{"load_errors.checksum": 1})
+    a.observe(chunk_load_seconds=0.5)
+    a.set_gauges(memory_slots_used=3)
+    b.add(loaded_chunks=1, **{"load_errors.checksum": 2, "load_errors.missing": 1})
+    b.observe(chunk_load_seconds=0.25)
+    b.set_gauges(memory_slots_used=5)
+    out = a.aggregate(b)
+    assert out.data["loaded_chunks"] == 3
+    assert out.data["load_errors.checksum"] == 3 and out.data["load_errors.missing"] == 1
+    assert out.data["samples"]["chunk_load_seconds"] == [0.5, 0.25]
+    assert out.data["gauges"]["memory_slots_used"] == 5  # the newer report wins
+    assert a.data["samples"]["chunk_load_seconds"] == [0.5]  # inputs unchanged
+    reduced = out.reduce()
+    assert reduced["memory_slots_used"] == 5 and "samples" not in reduced
+    assert all(isinstance(v, (int, float)) for v in reduced.values())
+
+
+def test_stats_empty_and_capped():
+    s = TransferStats()
+    assert s.is_empty()
+    s.set_gauges(memory_slots=4)
+    assert not s.is_empty()
+    s = TransferStats()
+    s.observe(chunk_save_seconds=0.1)
+    assert not s.is_empty()
+    for _ in range(MAX_SAMPLES + 10):
+        s.observe(chunk_save_seconds=0.1)
+    assert len(s.data["samples"]["chunk_save_seconds"]) == MAX_SAMPLES
+
+
+def test_hit_tokens_by_tier_counts_only_blocks_loaded():
+    loads = [ChunkTransfer("r", 0, b"a", 1, [-1, 7]), ChunkTransfer("r", 1, b"b", 2, [8, 9]),
+             ChunkTransfer("r", 2, b"c", 3, [10, 11], from_redis=True)]
+    assert hit_tokens_by_tier(loads, 128) == {"hit_tokens.memory": 384,
+                                             "hit_tokens.redis": 256}
+
+
+def test_prom_metrics_record_a_step(prom):
+    s = TransferStats()
+    s.add(loaded_chunks=2, loaded_bytes=1000, load_errors=3, hit_tokens=768,
+          **{"hit_tokens.memory": 512, "hit_tokens.redis": 256, "load_errors.checksum": 2,
+             "load_errors.not_in_slot": 1, "corrupt_values.mac": 1, "redis_backoffs": 1,
+             "someone_elses_counter": 5})
+    s.observe(chunk_load_seconds=0.002, redis_fetch_seconds=0.3)
+    s.observe(chunk_load_seconds=0.004)
+    s.set_gauges(memory_slots_used=3, memory_slots=4)
+    prom.observe(s.data, 0)
+    prom.observe(s.data, 0)  # counters accumulate, gauges are set
+    assert value("vllm:kvconnector_hit_tokens_total", tier="memory") == 1024
+    assert value("vllm:kvconnector_hit_tokens_total", tier="redis") == 512
+    assert value("vllm:kvconnector_loaded_chunks_total") == 4
+    assert value("vllm:kvconnector_load_errors_total", reason="checksum") == 4
+    assert value("vllm:kvconnector_load_errors_total", reason="not_in_slot") == 2
+    assert value("vllm:kvconnector_corrupt_values_total", reason="mac") == 2
+    assert value("vllm:kvconnector_redis_backoffs_total") == 2
+    assert value("vllm:kvconnector_chunk_load_seconds_count") == 4
+    assert value("vllm:kvconnector_chunk_load_seconds_sum") == pytest.approx(0.012)
+    assert value("vllm:kvconnector_chunk_load_seconds_bucket", le="0.0025") == 2
+    assert value("vllm:kvconnector_redis_fetch_seconds_count") == 2
+    assert value("vllm:kvconnector_memory_slots_used") == 3
+    assert value("vllm:kvconnector_memory_slots") == 4
+
+
+def test_every_family_is_registered_under_vllms_prefix(prom):
+    names = {m.name for m in REGISTRY.collect()}
+    for f in (*COUNTERS, *HISTOGRAMS, *GAUGE_FAMILIES):
+        assert f.name.startswith("vllm:kvconnector_")  # unregistered with vLLM's own
+        assert f.name in names
+
+
+def test_store_tap_reports_increments_of_a_real_client():
+    """A store pointed at a port nobody listens on: its first call fails and backs off."""
+    store = RedisStore(f"redis://127.0.0.1:{free_port()}", backoff_initial_s=0.05)
+    tap = StoreTap()
+    assert tap.counts(store) == {}
+    store.exists_prefix(["a", "b"], 1.0)
+    first = tap.counts(store)
+    assert first["redis_errors.error"] == 1 and first["redis_backoffs"] == 1
+    assert tap.counts(store) == {}  # nothing new since
+    store.exists_prefix(["a"], 1.0)  # still in backoff: skipped, no new error
+    assert "redis_errors.error" not in tap.counts(store)
+    store.close()

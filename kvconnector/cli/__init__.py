@@ -70,13 +70,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+_SECRET_OPTIONS = {"redis_password": "--password", "chunk_mac_key": "--mac-key"}
+
+
 def _secret(name: str, env: str | None, path: str | None) -> bytes | None:
     kw = {f"{name}_env": env, f"{name}_file": path}
     try:
         return ConnectorConfig(**kw).secret(name)  # the connector's own rules for secrets
     except ConfigError as e:
-        raise CliError(str(e).replace(f"{name}_env", "--" + name.split("_")[-1] + "-env")
-                       .replace(f"{name}_file", "--" + name.split("_")[-1] + "-file")) from None
+        option = _SECRET_OPTIONS[name]
+        raise CliError(str(e).replace(f"{name}_env", f"{option}-env")
+                       .replace(f"{name}_file", f"{option}-file")) from None
 
 
 def _target(args: argparse.Namespace) -> Target:
@@ -122,7 +126,7 @@ def _verify(args: argparse.Namespace, target: Target) -> int:
     from kvconnector.cli.verify import report_json, verify
     from kvconnector.store.codec import mac_key
 
-    secret = _secret("chunk_mac_key", args.mac_key_env, args.mac_key_file)
+    secret = args.mac_secret
     start = time.monotonic()
     report = verify(target, mac_key=mac_key(secret) if secret else None, delete=args.delete,
                     progress=args.progress)
@@ -225,6 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "config":
             return _config(args)
+        if args.command == "verify":  # a missing secret is found before connecting
+            args.mac_secret = _secret("chunk_mac_key", args.mac_key_env, args.mac_key_file)
         target = _target(args)
         try:
             return {"stats": _stats, "verify": _verify, "purge": _purge}[args.command](

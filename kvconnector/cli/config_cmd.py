@@ -85,7 +85,7 @@ def effective(data: dict[str, Any]) -> Effective:
     out.lmcache_accepted = translation.accepted
     for f in fields(ConnectorConfig):
         out.settings[f.name] = _printable(cfg, f.name)
-        if f.name in own:
+        if f.name in extra:
             out.sources[f.name] = "kv_connector_extra_config"
         elif f.name in translation.sources:
             out.sources[f.name] = translation.sources[f.name]

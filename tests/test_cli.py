@@ -1,0 +1,138 @@
+"""The ``kvconnector`` command without an engine: ``config``, usage errors, and the checks
+``verify`` applies to a value. test_operations.py runs it on what real engines stored."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvconnector.cli import main
+from kvconnector.cli.inventory import classify
+from kvconnector.cli.verify import check_value
+from kvconnector.keys import ChunkKey, Fingerprint
+from kvconnector.store import codec, descriptor
+from kvconnector.store.codec import ExpectedChunk
+from tests.conftest import ROOT
+from tests.redis_server import free_port
+
+KVT = {"kv_connector": "kvconnector", "kv_role": "kv_both",
+       "kv_load_failure_policy": "recompute"}
+FP = Fingerprint("m", "", "d", "float32", "chunk", 16, 2, 2, 32, 1, 256, "ns")
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_config_prints_defaults_sources_and_warnings(capsys):
+    rc, out, _ = run(capsys, "config", json.dumps(
+        {**KVT, "kv_load_failure_policy": "fail",
+         "kv_connector_extra_config": {"memory_capacity": "8GiB"}}))
+    assert rc == 0
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert "8589934592 (8.0 GiB)" in lines["memory_capacity"]
+    assert lines["memory_capacity"].endswith("kv_connector_extra_config")
+    assert lines["chunk_size"].split()[1:] == ["256", "default"]
+    assert "kv_load_failure_policy is not \"recompute\"" in out
+
+
+def test_config_json_from_a_file_with_an_lmcache_file(capsys, tmp_path):
+    lm = tmp_path / "lmcache.yaml"
+    lm.write_text('chunk_size: 512\nremote_url: "redis://:pw-in-file@cache:6379"\n')
+    kvt = tmp_path / "kvt.json"
+    kvt.write_text(json.dumps({**KVT, "kv_connector_extra_config": {}}))
+    rc, out, _ = run(capsys, "config", f"@{kvt}", "--lmcache", str(lm), "--json")
+    got = json.loads(out)
+    assert rc == 0 and got["ok"]
+    assert got["settings"]["chunk_size"] == 512
+    assert got["sources"]["chunk_size"] == f"LMCache file {lm} (chunk_size)"
+    assert got["settings"]["redis_url"] == "redis://:***@cache:6379"
+    assert "pw-in-file" not in out
+
+
+def test_config_errors_name_the_key(capsys, tmp_path, monkeypatch):
+    rc, out, err = run(capsys, "config", '{"memory_capacity": "lots"}')
+    assert rc == 2 and "memory_capacity" in err and "would not start" in err
+    monkeypatch.delenv("KVC_NOT_SET", raising=False)
+    rc, out, _ = run(capsys, "config", "--json", json.dumps(
+        {"redis_url": "redis://h:1", "redis_password_env": "KVC_NOT_SET"}))
+    assert rc == 2 and "KVC_NOT_SET is not set" in json.loads(out)["error"]
+    monkeypatch.setenv("KVC_SET", "secret-value")
+    rc, out, _ = run(capsys, "config", json.dumps(
+        {"redis_url": "redis://h:1", "redis_password_env": "KVC_SET"}))
+    assert rc == 0 and "KVC_SET (set in this environment)" in out and "secret-value" not in out
+    lm = tmp_path / "bad.yaml"
+    lm.write_text("local_disk: file:///d/\nremote_serde: cachegen\n")
+    rc, _, err = run(capsys, "config", "{}", "--lmcache", str(lm))
+    assert rc == 2 and "local_disk" in err and "remote_serde" in err
+
+
+def test_usage_errors(capsys):
+    assert run(capsys, "purge", "redis://127.0.0.1:1")[0] == 2
+    rc, _, err = run(capsys, "stats", "http://example.com")
+    assert rc == 2 and "unsupported URL" in err
+    rc, _, err = run(capsys, "stats", f"redis://:hunter2@127.0.0.1:{free_port()}")
+    assert rc == 2 and "Connection" in err and "hunter2" not in err and "***" in err
+    rc, _, err = run(capsys, "verify", "redis://127.0.0.1:1", "--mac-key-env", "KVC_NOPE")
+    assert rc == 2 and "KVC_NOPE" in err and "--mac-key-env" in err
+
+
+def test_console_entry_point():
+    """``python -m kvconnector.cli`` (the ``kvconnector`` script calls the same main)."""
+    p = subprocess.run([sys.executable, "-m", "kvconnector.cli", "--help"],
+                       capture_output=True, text=True, timeout=60,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert p.returncode == 0 and "stats" in p.stdout and "purge" in p.stdout
+    text = (ROOT / "pyproject.toml").read_text()
+    assert 'kvconnector = "kvconnector.cli:main"' in text
+
+
+def test_descriptor_round_trip_and_checks():
+    chunk = ExpectedChunk("", "kv", "float32", (2, 2, 256, 2, 32), 262144)
+    value = descriptor.encode(FP, chunk, now=5.0)
+    d = descriptor.decode(value)
+    assert (d.model, d.namespace, d.shape, d.nbytes, d.written_at) == ("m", "ns",
+                                                                       chunk.shape, 262144, 5.0)
+    assert d.matches(FP.digest().hex()) and not d.matches("00" * 16)
+    key = ChunkKey(FP.digest(), 0, b"\x01" * 16)
+    assert d.expected(str(key)) == ExpectedChunk(str(key), *[getattr(chunk, f) for f in
+                                                              ("layout", "dtype", "shape",
+                                                               "nbytes")])
+    for bad in (b"", b"KVC1" + value[4:], value[:-3], value + b"x" * 9000):
+        with pytest.raises(ValueError):
+            descriptor.decode(bad)
+
+
+def test_classify_keys():
+    fp = FP.digest().hex()
+    h = "ab" * 16
+    assert classify("kvc", f"kvc:{fp}:3:{h}".encode()) == ("chunk", fp, 3)
+    assert classify("kvc", f"kvc:fp:{fp}".encode()) == ("descriptor", fp, -1)
+    for other in (f"kvc2:{fp}:0:{h}", f"kvc:{fp}:0:{h}x", "kvc:not-ours", f"x:kvc:fp:{fp}"):
+        assert classify("kvc", other.encode()) is None, other
+    assert classify("a:b", f"a:b:{fp}:0:{h}".encode()) == ("chunk", fp, 0)
+
+
+def test_check_value_as_an_engine_would():
+    key = str(ChunkKey(FP.digest(), 0, b"\x02" * 16))
+    payload = bytes(range(256)) * 16
+    chunk = ExpectedChunk(key, "kv", "float32", (4, 256), len(payload))
+    good = codec.encode(chunk, payload)
+    desc = descriptor.decode(descriptor.encode(FP, chunk))
+    assert check_value(key, good, desc, None) is None
+    assert check_value(key, good, None, None) is None  # no descriptor: held to itself
+    flipped = good[:-1] + bytes([good[-1] ^ 1])
+    assert check_value(key, flipped, desc, None).reason == "checksum"
+    assert check_value(key, good[:-5], None, None).reason == "truncated"
+    assert check_value(key[:-1] + "f", good, None, None).reason == "key"
+    other = descriptor.decode(descriptor.encode(FP, ExpectedChunk("", "kv", "bfloat16",
+                                                                  (4, 256), len(payload))))
+    assert check_value(key, good, other, None).reason == "dtype"
+    mac = codec.mac_key(b"a-shared-secret-of-32-characters")
+    assert check_value(key, good, desc, mac).reason == "mac"
+    assert check_value(key, codec.encode(chunk, payload, mac_key=mac), desc, mac) is None

@@ -16,7 +16,9 @@ import argparse
 import gc
 import multiprocessing
 import os
+import queue as queue_mod
 import statistics
+import tempfile
 import time
 
 QUESTIONS = [
@@ -90,18 +92,48 @@ def run(model: str, conversations: list[list[dict]], args: argparse.Namespace,
             "answer_text": [a.text for a in answers]}
 
 
-def _child(queue, *args) -> None:
+def _child(queue, log_path: str, *args) -> None:
+    # This run's vLLM output (its log at WARNING, progress bars, warnings from its
+    # extensions) goes to a file, in this process and the engine processes it starts.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
     queue.put(run(*args))
 
 
-def run_in_fresh_process(*args) -> dict:
+def start_resource_tracker(log_path: str) -> None:
+    """multiprocessing's resource tracker outlives the runs and, at exit, reports shared
+    memory vLLM's processes left behind: it writes that to the log as well."""
+    from multiprocessing import resource_tracker
+
+    saved = os.dup(2)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
+
+
+def run_in_fresh_process(log_path: str, *args) -> dict:
     """One engine per process: vLLM's CPU worker binds threads to cores per process, so two
     engines built one after the other in one process would not get the same cores."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(queue, *args))
+    proc = ctx.Process(target=_child, args=(queue, log_path, *args))
     proc.start()
-    result = queue.get()
+    while True:
+        try:
+            result = queue.get(timeout=1)
+            break
+        except queue_mod.Empty:
+            if not proc.is_alive():
+                with open(log_path, errors="replace") as log:
+                    tail = log.read()[-3000:]
+                raise SystemExit(f"the engine run failed; end of {log_path}:\n{tail}") from None
     proc.join()
     return result
 
@@ -112,7 +144,6 @@ def main() -> None:
     # the reservation on small machines): give both runs the same cores.
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1" if not args.model else "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep vLLM's start-up logs out
     model = args.model
     if model is None:
         from kvconnector.standin import build_mistral_standin
@@ -125,8 +156,13 @@ def main() -> None:
     kvt = {"kv_connector": "kvconnector", "kv_role": "kv_both",
            "kv_load_failure_policy": "recompute",
            "kv_connector_extra_config": {"memory_capacity": args.memory_capacity}}
-    base = run_in_fresh_process(model, conversations, args, None)
-    kvc = run_in_fresh_process(model, conversations, args, kvt)
+    logs = tempfile.mkdtemp(prefix="kvconnector-demo-")
+    print(f"running without and with kvconnector (vLLM's logs: {logs})")
+    start_resource_tracker(os.path.join(logs, "resource-tracker.log"))
+    base = run_in_fresh_process(os.path.join(logs, "no-cache.log"), model, conversations,
+                                args, None)
+    kvc = run_in_fresh_process(os.path.join(logs, "kvconnector.log"), model, conversations,
+                               args, kvt)
 
     print(f"\nmodel {args.model or 'Mistral-7B stand-in (random weights)'}: {args.questions} "
           f"chats of about {base['prompt_tokens'][0]} tokens, the same report and one question "
@@ -144,6 +180,8 @@ def main() -> None:
     print(f"greedy answers identical ({args.answer_tokens} tokens): {same}")
     if not same:
         raise SystemExit("answers differ between the runs")
+    print("\nnext: docs/configuration.md (Redis, sharing between engines), docs/operations.md "
+          "(metrics, the kvconnector command)")
 
 
 if __name__ == "__main__":

@@ -82,6 +82,26 @@ def chat(base: str, model: str, messages: list[dict], max_tokens: int) -> tuple[
     return reply, time.perf_counter() - start
 
 
+def kvconnector_metrics(base: str) -> list[str]:
+    """kvconnector's lines of the server's Prometheus /metrics, summed over labels we skip."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    wanted = {"vllm:kvconnector_hit_tokens_total": "tier",
+              "vllm:kvconnector_saved_chunks_total": None,
+              "vllm:kvconnector_loaded_chunks_total": None,
+              "vllm:kvconnector_memory_slots_used": None, "vllm:kvconnector_memory_slots": None}
+    lines = []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                label = wanted[sample.name]
+                extra = f"{{{label}={sample.labels[label]}}}" if label else ""
+                lines.append(f"  {sample.name}{extra} {sample.value:.0f}")
+    return lines
+
+
 def main() -> None:
     args = parse_args()
     from kvconnector.standin import build_mistral_standin, sample_text
@@ -121,6 +141,8 @@ def main() -> None:
                   f"{answers[name][:40]!r}")
         same = answers["question 1"] == answers["question 1 again"]
         print(f"\nthe repeated question got the same answer from stored KV: {same}")
+        print(f"\nkvconnector on the server's {base}/metrics (all of them: docs/operations.md):")
+        print("\n".join(kvconnector_metrics(base)))
     finally:
         proc.terminate()
         try:

@@ -94,7 +94,8 @@ class ConnectorConfig:
         if unknown:
             raise ConfigError(
                 f"unknown kv_connector_extra_config key(s) {unknown}; "
-                f"valid keys: {sorted(known)}")
+                f"valid keys: {sorted(known)} (and, for an LMCache configuration, "
+                f"lmcache_config_file and lmcache.<key>)")
         values: dict[str, Any] = {}
         if "chunk_size" in extra:
             v = extra["chunk_size"]

@@ -5,12 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from kvconnector.config import ConfigError, ConnectorConfig
 from kvconnector.keys import Fingerprint
 
 if TYPE_CHECKING:
+    import torch
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
@@ -122,3 +124,95 @@ def request_block_ids(scheduler_output: SchedulerOutput, req_id: str) -> list[in
 
 def extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
     return dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+
+
+# ---- blend (kvconnector/blend/) ----
+_LOADED_MODELS: list[tuple[weakref.ref, weakref.ref]] = []  # (model config, model)
+
+
+def install_model_hook() -> None:
+    """Record every model vLLM loads in this process, so blend can run its layers without
+    users patching vLLM. Called by the ``vllm.general_plugins`` entry point, which vLLM runs
+    in every process before it loads the model; idempotent."""
+    try:
+        from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    except ImportError:
+        logger.warning("kvconnector: vLLM's BaseModelLoader moved; blend cannot find the model")
+        return
+    original = BaseModelLoader.load_model
+    if getattr(original, "_kvconnector_hook", False):
+        return
+
+    def load_model(self, vllm_config, model_config, *args, **kwargs):
+        model = original(self, vllm_config, model_config, *args, **kwargs)
+        _LOADED_MODELS.append((weakref.ref(model_config), weakref.ref(model)))
+        return model
+
+    load_model._kvconnector_hook = True  # type: ignore[attr-defined]
+    BaseModelLoader.load_model = load_model  # type: ignore[method-assign]
+
+
+def loaded_model(vllm_config: VllmConfig) -> torch.nn.Module:
+    """The model this worker loaded for ``vllm_config`` (recorded by ``install_model_hook``)."""
+    from kvconnector.blend.families import BlendUnsupported
+
+    alive = [(c(), m()) for c, m in _LOADED_MODELS]
+    alive = [(c, m) for c, m in alive if m is not None]
+    mine = [m for c, m in alive if c is vllm_config.model_config]
+    if len(mine) == 1:
+        return mine[0]
+    if not alive:
+        raise BlendUnsupported(
+            "blend needs the model object, which kvconnector's vLLM plugin records when vLLM "
+            "loads the model, and it recorded none in this process: install kvconnector in "
+            "vLLM's environment (pip install -e .), keep it allowed in VLLM_PLUGINS, and use "
+            "a model loader built on vLLM's BaseModelLoader.load_model")
+    raise BlendUnsupported(f"blend found {len(alive)} loaded models and none (or several) "
+                           "for this engine's model config")
+
+
+def blend_unsupported_reason(vllm_config: VllmConfig) -> str | None:
+    """Why this engine cannot blend at all (the model itself is checked by the worker)."""
+    from kvconnector.blend.families import supported_architectures
+
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size > 1:
+        return f"tensor parallelism (TP={pc.tensor_parallel_size}) is not supported yet"
+    if pc.pipeline_parallel_size > 1:
+        return f"pipeline parallelism (PP={pc.pipeline_parallel_size}) is not supported"
+    if vllm_config.lora_config is not None:
+        return "LoRA is enabled (blend replays the base model's layers)"
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", str(vllm_config.model_config.dtype).removeprefix("torch.")):
+        return f"the KV cache dtype {cache_dtype} differs from the model dtype"
+    archs = list(getattr(vllm_config.model_config.hf_config, "architectures", None) or [])
+    if archs and not set(archs) & supported_architectures():
+        return (f"model architecture {archs[0]} is not a family blend supports "
+                f"({', '.join(sorted(supported_architectures()))})")
+    return None
+
+
+def encode_text(vllm_config: VllmConfig, text: str) -> list[int]:
+    """``text`` through the model's tokenizer alone, without special tokens."""
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    tokenizer = cached_tokenizer_from_config(vllm_config.model_config)
+    if tokenizer is None:
+        raise ConfigError("blend_separator needs the tokenizer, which this engine does not "
+                          "load (skip_tokenizer_init); give blend_separator_ids instead")
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def cpu_kv_writer(vllm_config: VllmConfig, spec: AttentionSpec):
+    """vLLM's own CPU cache write (the attention backend's), for probing the page packing:
+    ``write(key [T, H, D], value [T, H, D], kv_cache [B, H, block, 2D], slot_mapping)``."""
+    from vllm import _custom_ops as ops
+
+    isa = cpu_isa(vllm_config, spec)
+
+    def write(key, value, kv_cache, slot_mapping) -> None:
+        b, h, n, _ = kv_cache.shape
+        key_cache, value_cache = kv_cache.view(b, h, 2 * n, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa)
+
+    return write

@@ -9,6 +9,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvconnector.blend.plan import BlendJob, DocSave
+
 
 @dataclass
 class ChunkTransfer:
@@ -34,6 +36,7 @@ class StepPlan(KVConnectorMetadata):
     WAITING_FOR_REMOTE_KVS) and ``saves`` run on the workers' copy thread. ``held`` are
     finished requests whose blocks vLLM keeps until every worker reports them sent;
     ``preempted`` are requests whose blocks vLLM may hand out again in this step.
+    ``blends`` and ``doc_saves`` are CacheBlend's (kvconnector/blend/plan.py).
     """
 
     loads: list[ChunkTransfer] = field(default_factory=list)
@@ -41,6 +44,8 @@ class StepPlan(KVConnectorMetadata):
     saves: list[ChunkTransfer] = field(default_factory=list)
     held: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)
+    blends: list[BlendJob] = field(default_factory=list)
+    doc_saves: list[DocSave] = field(default_factory=list)
 
 
 @dataclass

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvconnector import compat
+from kvconnector.blend.scheduler import BlendScheduler
 from kvconnector.config import ConnectorConfig
 from kvconnector.keys import ChunkKey, chunk_hashes, request_seed
 from kvconnector.metadata import ChunkTransfer, StepPlan, WorkerReport
@@ -67,6 +68,8 @@ class SchedulerHalf:
         self._held: set[str] = set()  # held until the workers report them sent
         self._evictions_reported = 0
         self.resumed_requests = 0  # preempted requests seen coming back
+        self.blend = (BlendScheduler(self, vllm_config) if config.blending.enabled
+                      else None)
 
     def _state(self, request: Request) -> RequestState:
         st = self._requests.get(request.request_id)
@@ -96,6 +99,10 @@ class SchedulerHalf:
         st = self._state(request)
         if st.skip_reason:
             return 0, False
+        if self.blend is not None and st.load_limit is None:
+            blended = self.blend.match(st, num_computed_tokens)
+            if blended is not None:
+                return blended
         hashes = self._hashes(st, request.num_tokens)[:st.load_limit]
         in_memory = stored = self.index.count_prefix(hashes)
         if self.redis is not None and stored < len(hashes):
@@ -133,6 +140,9 @@ class SchedulerHalf:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
+        if self.blend is not None and self.blend.after_alloc(request, blocks,
+                                                             num_external_tokens):
+            return
         lookup = self._lookup_start.pop(request.request_id, None)
         if num_external_tokens == 0 or lookup is None:
             return
@@ -167,6 +177,8 @@ class SchedulerHalf:
                         held=self._newly_held,
                         preempted=set(scheduler_output.preempted_req_ids or ()))
         self._loads, self._async_loads, self._newly_held = [], [], set()
+        if self.blend is not None:
+            self.blend.build(plan, scheduler_output)
         self.resumed_requests += len(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
         c = self.config.chunk_size
         for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -197,6 +209,8 @@ class SchedulerHalf:
                 st.saving = True
             st.stored = n_full
         self.index.unpin_all()
+        if self.blend is not None:
+            self.blend.after_unpin()
         return plan
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -210,12 +224,16 @@ class SchedulerHalf:
                     st.load_limit = min(index, st.load_limit if st.load_limit is not None
                                         else index)
         self._held.difference_update(output.finished_sending or ())
+        if self.blend is not None:
+            self.blend.update(output)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Finished or aborted: a request with saves planned keeps its blocks until the
         workers have copied them out (they report it in ``finished_sending``)."""
         st = self._requests.pop(request.request_id, None)
         self._lookup_start.pop(request.request_id, None)
+        if self.blend is not None:
+            self.blend.forget(request.request_id)
         if st is None or not st.saving:
             return False, None
         self._newly_held.add(request.request_id)
@@ -233,9 +251,12 @@ class SchedulerHalf:
 
     def outstanding(self) -> dict[str, int]:
         """Per-request state still held; all zero once every request has finished."""
-        return {"requests": len(self._requests), "lookups": len(self._lookup_start),
-                "planned_loads": len(self._loads) + len(self._async_loads),
-                "pinned_slots": self.index.pinned, "held_requests": len(self._held)}
+        out = {"requests": len(self._requests), "lookups": len(self._lookup_start),
+               "planned_loads": len(self._loads) + len(self._async_loads),
+               "pinned_slots": self.index.pinned, "held_requests": len(self._held)}
+        if self.blend is not None:
+            out.update(self.blend.outstanding())
+        return out
 
     def take_stats(self) -> TransferStats | None:
         new_evictions = self.index.evictions - self._evictions_reported

@@ -14,6 +14,7 @@ import torch
 
 from kvconnector import compat, kernels
 from kvconnector.background import CopyThread
+from kvconnector.blend.worker import BlendWorker
 from kvconnector.config import ConnectorConfig
 from kvconnector.keys import ChunkKey
 from kvconnector.layout import LayerLayout, LayoutError, describe_layers
@@ -54,6 +55,7 @@ class WorkerHalf:
         self._device_lock = threading.Lock()  # HostTransfer's staging buffer is shared
         self._held: set[str] = set()  # finished requests waiting for their saves
         self._received: set[str] = set()  # parked requests whose loads are done
+        self.blend = BlendWorker(vllm_config, self) if config.blending.enabled else None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [n for n in self.layer_names if n not in kv_caches]
@@ -79,6 +81,8 @@ class WorkerHalf:
 
             self._host_transfer = HostTransfer(self.layers, self.layout,
                                                self.config.chunk_size // kbs, max_chunks=1)
+        if self.blend is not None:
+            self.blend.attach()
         logger.info("kvconnector worker rank %d: %d layers, layout %s %s",
                     self.tp_rank, len(self.layers), self.layout.family, self.layout.sizes)
 
@@ -217,6 +221,8 @@ class WorkerHalf:
 
     def finished(self, plan: StepPlan) -> tuple[set[str], set[str]]:
         """(held requests whose copies are done, parked requests whose loads are done)."""
+        if self.blend is not None:
+            self.blend.run_ready()
         self._held |= plan.held
         sent = {r for r in self._held if not self.copies.busy(r)}
         self._held -= sent
@@ -257,10 +263,13 @@ class WorkerHalf:
     def outstanding(self) -> dict[str, int]:
         """Pending state; all zero between steps once every request has finished."""
         queued = self.redis_tier.queued if self.redis_tier is not None else 0
-        return {"load_errors": len(self._load_errors), "bad_chunks": len(self._report.bad_chunks),
-                "failed_loads": len(self._report.failed_loads),
-                "redis_puts_queued": queued, "copy_jobs": self.copies.pending,
-                "held_requests": len(self._held), "received": len(self._received)}
+        out = {"load_errors": len(self._load_errors), "bad_chunks": len(self._report.bad_chunks),
+               "failed_loads": len(self._report.failed_loads),
+               "redis_puts_queued": queued, "copy_jobs": self.copies.pending,
+               "held_requests": len(self._held), "received": len(self._received)}
+        if self.blend is not None:
+            out.update(self.blend.outstanding())
+        return out
 
     def shutdown(self) -> None:
         self.copies.close()

@@ -7,7 +7,8 @@ exact context):
   start of the question) is recomputed at every layer;
 - "cacheblend": layers below the check layer are computed for every token; at the check
   layer the fresh K/V of every token is compared with its loaded (re-rotated) K/V, and the
-  ``ratio`` share of loaded tokens that deviate most join the recomputed set;
+  ``ratio`` share of loaded tokens that deviate most join the recomputed set (ratio 0 is
+  full reuse: no check layer, nothing else recomputed);
 - "epic": the first ``epic_tokens`` tokens of every loaded document join it, from layer 0.
 
 From then on only the recomputed tokens are carried through the layers; their queries
@@ -131,6 +132,8 @@ def run_blend(model: BlendModel, pages: TokenPages, job: BlendJob, sources: Sour
     select_at: int | None = None
     if job.strategy == "epic":
         active = (must | sources.doc_heads(job.epic_tokens)).nonzero().squeeze(1)
+    elif job.recompute_ratio == 0:  # full reuse: only what nothing covers
+        active = must.nonzero().squeeze(1)
     else:
         active = torch.arange(n, device=dev)
         if job.recompute_ratio < 1 and n_loaded:

@@ -8,8 +8,8 @@ else (mRoPE, long-RoPE's two tables, dual-chunk, position-dependent scaling) can
 moved exactly and is refused when blend starts.
 
 The rotation for ``p -> q`` is taken from vLLM's own float32 table, by the angle difference
-formula, so it uses the very frequencies the model uses (scaling and YaRN's magnitude
-factor included).
+formula, so it uses the very frequencies (and per-position rounding) the model uses,
+scaling and YaRN's magnitude factor included.
 """
 
 from __future__ import annotations
@@ -67,24 +67,28 @@ class ReRotator:
                 f"rotary embedding {name}: its angles are not proportional to the position "
                 f"(off by {float(err):.3g}), so a stored key cannot be moved by one rotation")
 
-    def delta(self, from_pos: int, to_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of the rotation that moves a key from ``from_pos`` to ``to_pos``."""
+    def delta(self, from_pos: int, to_pos: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[n, rotary_dim / 2]`` of the rotations that move keys from
+        ``from_pos + i`` to ``to_pos + i``. Per token, not one angle for all: the table's
+        float32 angles are rounded per position, and composing with exactly the rows vLLM
+        used makes the moved key equal the key computed at the new position."""
         for p in (from_pos, to_pos):
-            if not 0 <= p < self.max_position:
-                raise ValueError(f"position {p} is outside the rotary table "
+            if not (0 <= p and p + n <= self.max_position):
+                raise ValueError(f"positions {p}..{p + n - 1} are outside the rotary table "
                                  f"(0..{self.max_position - 1})")
-        cp, sp, cq, sq = self.cos[from_pos], self.sin[from_pos], self.cos[to_pos], self.sin[to_pos]
+        cp, sp = self.cos[from_pos:from_pos + n], self.sin[from_pos:from_pos + n]
+        cq, sq = self.cos[to_pos:to_pos + n], self.sin[to_pos:to_pos + n]
         m2 = self.magnitude ** 2
         return (cq * cp + sq * sp) / m2, (sq * cp - cq * sp) / m2
 
     def move(self, key: torch.Tensor, from_pos: int, to_pos: int) -> torch.Tensor:
-        """Keys ``[..., tokens, heads, head_size]`` computed at ``from_pos + i`` moved to
-        ``to_pos + i`` (one rotation for all tokens: the angle is linear in the position)."""
+        """Keys ``[tokens, heads, head_size]`` computed at ``from_pos + i``, moved to
+        ``to_pos + i``."""
         if from_pos == to_pos:
             return key
-        cos, sin = self.delta(from_pos, to_pos)
-        cos = cos.to(torch.float32, copy=False).to(key.device)
-        sin = sin.to(torch.float32, copy=False).to(key.device)
+        cos, sin = self.delta(from_pos, to_pos, key.shape[0])
+        cos = cos.to(key.device, torch.float32)[:, None, :]
+        sin = sin.to(key.device, torch.float32)[:, None, :]
         r = self.rotary_dim
         k = key.to(torch.float32)
         rot = k[..., :r]
@@ -95,4 +99,3 @@ class ReRotator:
             x1, x2 = rot[..., 0::2], rot[..., 1::2]
             out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
         return torch.cat([out, k[..., r:]], dim=-1).to(key.dtype)
-

@@ -51,6 +51,13 @@ def _generate(llm, step: dict) -> list[dict]:
     return outs
 
 
+def _drain_copies(worker) -> bool:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    get_kv_transfer_group().worker.copies.drain()
+    return True
+
+
 def _doc_slots(worker, doc_tokens: list[int]) -> list[int]:
     """Memory slots holding the pieces of a document (tokens as they appear in a prompt)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -87,6 +94,26 @@ def _corrupt_doc(worker, doc_tokens: list[int], reseal: bool) -> int:
     return n
 
 
+def _layer0_rerotation(worker, tokens: list[int], p: int, q: int) -> dict:
+    """Layer 0's keys of ``tokens`` computed at positions ``p...`` and moved to ``q...``,
+    against the keys computed at ``q...`` (layer 0's keys do not depend on context)."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    model = get_kv_transfer_group().worker.blend.model
+    layer, ids = model.layers[0], torch.tensor(tokens)
+
+    def keys_at(pos: int) -> torch.Tensor:
+        x, _ = layer.norm_in(model.embed(ids), None)
+        return layer.qkv(x, torch.arange(pos, pos + len(tokens)))[1]
+
+    with torch.inference_mode():
+        kp, kq = keys_at(p), keys_at(q)
+        moved = model.rotator.move(kp, p, q)
+    return {"moved": float((moved - kq).abs().max()), "not_moved": float((kp - kq).abs().max()),
+            "largest": float(kq.abs().max())}
+
+
 def _drop_memory(llm) -> bool:
     """Forget every chunk in the memory tier (scheduler index), so later hits need Redis."""
     sched = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
@@ -121,11 +148,15 @@ def _main(spec_path: str, out_path: str) -> None:
         if op == "generate":
             results.append(_generate(llm, step))
         elif op == "totals":
+            llm.collective_rpc(_drain_copies)  # count the saves queued so far
             per_rank = llm.collective_rpc(_worker_totals)
             results.append({k: sum(r.get(k, 0) for r in per_rank) for k in per_rank[0]})
         elif op == "corrupt_doc":
             results.append(llm.collective_rpc(
                 _corrupt_doc, args=(step["doc"], step.get("reseal", False)))[0])
+        elif op == "layer0_rerotation":
+            results.append(llm.collective_rpc(
+                _layer0_rerotation, args=(step["tokens"], step["p"], step["q"]))[0])
         elif op == "drop_memory":
             results.append(_drop_memory(llm))
         elif op == "stress":

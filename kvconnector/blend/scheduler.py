@@ -58,7 +58,9 @@ class BlendScheduler:
         self.config = half.config.blending
         reason = compat.blend_unsupported_reason(vllm_config)
         if reason is not None:
-            raise BlendUnsupported(f"blend cannot run: {reason}")
+            raise BlendUnsupported(f"kvconnector: blend is on but cannot serve this engine: "
+                                   f"{reason}. Set blend to false to serve it with prefix "
+                                   "reuse only.")
         if self.config.separator_ids is not None:
             self.separator = list(self.config.separator_ids)
         else:

@@ -45,10 +45,15 @@ class BlendWorker:
         """Checks at start-up that this engine and model can be blended."""
         self.half = half
         self.config = half.config.blending
-        reason = compat.blend_unsupported_reason(vllm_config)
-        if reason is not None:
-            raise BlendUnsupported(f"blend cannot run: {reason}")
-        self.model = adapt(compat.loaded_model(vllm_config), vllm_config.model_config.dtype)
+        try:
+            reason = compat.blend_unsupported_reason(vllm_config)
+            if reason is not None:
+                raise BlendUnsupported(reason)
+            self.model = adapt(compat.loaded_model(vllm_config), vllm_config.model_config.dtype)
+        except BlendUnsupported as e:
+            raise BlendUnsupported(f"kvconnector: blend is on but cannot serve this engine: "
+                                   f"{e}. Set blend to false to serve it with prefix reuse "
+                                   "only.") from None
         g, spec = self.model.geometry, half.spec
         if (g.num_kv_heads, g.head_size) != (spec.num_kv_heads, spec.head_size):
             raise BlendUnsupported(

@@ -294,3 +294,35 @@ def test_a_model_blend_cannot_serve_fails_at_start_up(tmp_path_factory):
     assert "blend is on but cannot serve this engine" in str(e.value)
     assert "Phi3LongRoPEScaledRotaryEmbedding does not rotate by a plain table lookup" in str(
         e.value)
+
+
+QUALITY_TRIALS = 12
+
+
+def test_quality_full_reuse_is_worse_than_blend_which_is_worse_than_recompute(
+        tmp_path_factory):
+    """On a model with peaked attention: the first-token distribution's distance from full
+    prefill, per strategy, over many reordered-document prompts (printed; the benchmark
+    records it). Full reuse must be clearly worse than cacheblend at 0.15, and ratio 1.0
+    about zero."""
+    from tests import blend_quality as q
+
+    model = build_model(CACHE / "tiny-llama-peaked", tiny_tokenizer_dir(CACHE), arch="llama",
+                        num_layers=3, qk_scale=4.0, logit_scale=8.0, local_bias=3.0)
+    pairs, vocab = q.trials(QUALITY_TRIALS), q.vocab_size(model)
+    spec = {"model": model, "max_model_len": MAX_LEN, "max_logprobs": vocab}
+    res = run_engine(tmp_path_factory.mktemp("quality"), {
+        **spec, "steps": q.blend_steps(pairs, vocab), "connector": {
+            **_blend_config(), "memory_capacity": "256MiB", "blend_separator_ids": q.SEP}},
+        runner="blend_runner.py", timeout=900)
+    base = run_engine(tmp_path_factory.mktemp("quality-base"), {
+        **spec, "steps": q.baseline_steps(pairs, vocab), "connector": None},
+        runner="blend_runner.py", timeout=900)
+    table = q.score(res, base)
+    print("\n" + q.format_table(table))
+    reuse, blend, full = (table[k]["kl_mean"] for k in (
+        "full reuse (ratio 0)", "cacheblend 0.15", "ratio 1.0"))
+    assert full < 1e-4 and table["ratio 1.0"]["top1"] == 1.0
+    assert blend < 0.8 * reuse
+    assert blend > 100 * full
+    assert all(r["cached"] >= 512 for asked in res[1::2] for r in asked)  # all blended

@@ -179,6 +179,8 @@ class SchedulerHalf:
         self._loads, self._async_loads, self._newly_held = [], [], set()
         if self.blend is not None:
             self.blend.build(plan, scheduler_output)
+            for save in plan.doc_saves:  # its blocks wait for the document save
+                self._requests[save.req_id].saving = True
         self.resumed_requests += len(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
         c = self.config.chunk_size
         for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():

@@ -23,18 +23,11 @@ def _corpus(n_lines: int = 2000) -> list[str]:
 
 
 def build_tiny_mistral(path: str | os.PathLike, *, num_layers: int = 2, vocab_size: int = 512,
-                       seed: int = 0, qk_scale: float = 1.0, logit_scale: float = 1.0) -> Path:
-    """Write config, weights and tokenizer to ``path`` (reused if already complete).
-
-    ``qk_scale`` multiplies the query and key weights: random weights give nearly uniform
-    attention, and a larger scale makes it peaked, so that which earlier tokens a token
-    sees (and so a wrong or approximate KV) changes the output measurably; ``logit_scale``
-    multiplies the output head, for a next-token distribution that is not nearly flat."""
+                       seed: int = 0) -> Path:
+    """Write config, weights and tokenizer to ``path`` (reused if already complete)."""
     path = Path(path)
     marker = path / "kvconnector-tiny.json"
     want = {"num_layers": num_layers, "vocab_size": vocab_size, "seed": seed, "v": 2}
-    if qk_scale != 1.0 or logit_scale != 1.0:
-        want.update(qk_scale=qk_scale, logit_scale=logit_scale)
     if marker.exists() and json.loads(marker.read_text()) == want:
         return path
     import torch
@@ -63,11 +56,6 @@ def build_tiny_mistral(path: str | os.PathLike, *, num_layers: int = 2, vocab_si
         pad_token_id=fast.pad_token_id, tie_word_embeddings=False, torch_dtype="float32")
     torch.manual_seed(seed)
     model = MistralForCausalLM(cfg)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(qk_scale)
-            layer.self_attn.k_proj.weight.mul_(qk_scale)
-        model.lm_head.weight.mul_(logit_scale)
     model.save_pretrained(path, safe_serialization=True)
     marker.write_text(json.dumps(want))
     logger.info("built tiny Mistral at %s", path)

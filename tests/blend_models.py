@@ -15,9 +15,13 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 def build_model(path: Path, tokenizer_from: Path, *, arch: str, num_layers: int = 2,
                 qk_scale: float = 1.0, logit_scale: float = 1.0, local_bias: float = 0.0,
                 rope_parameters: dict | None = None, seed: int = 0) -> str:
-    """``arch``: "llama" or "qwen2". ``local_bias`` > 0 gives queries and keys a constant
-    bias in a few slow RoPE pairs, so attention favours nearby tokens (as trained models'
-    heads often do) on top of the random, ``qk_scale``-peaked part."""
+    """``arch``: "mistral", "llama" or "qwen2". Random weights give nearly uniform
+    attention: ``qk_scale`` multiplies the query and key weights to make it peaked, so that
+    which earlier tokens a token sees (and so a wrong or approximate KV) changes the output
+    measurably; ``logit_scale`` multiplies the output head, for a next-token distribution
+    that is not nearly flat. ``local_bias`` > 0 (llama) gives queries and keys a constant
+    bias in a few slow RoPE pairs, so attention also favours nearby tokens, as trained
+    models' heads often do."""
     want = {"arch": arch, "num_layers": num_layers, "qk_scale": qk_scale,
             "logit_scale": logit_scale, "local_bias": local_bias,
             "rope_parameters": rope_parameters, "seed": seed, "v": 1}
@@ -28,6 +32,8 @@ def build_model(path: Path, tokenizer_from: Path, *, arch: str, num_layers: int 
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         PreTrainedTokenizerFast,
         Qwen2Config,
         Qwen2ForCausalLM,
@@ -44,7 +50,10 @@ def build_model(path: Path, tokenizer_from: Path, *, arch: str, num_layers: int 
                   tie_word_embeddings=False, torch_dtype="float32")
     if rope_parameters is not None:
         common["rope_parameters"] = rope_parameters
-    if arch == "llama":
+    if arch == "mistral":
+        cfg = MistralConfig(head_dim=32, sliding_window=None, **common)
+        model_cls = MistralForCausalLM
+    elif arch == "llama":
         cfg = LlamaConfig(head_dim=32, attention_bias=local_bias > 0, **common)
         model_cls = LlamaForCausalLM
     elif arch == "qwen2":

@@ -76,16 +76,23 @@ class BlendModel:
     dtype: torch.dtype
 
 
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def supported_architectures() -> set[str]:
+    return set(ARCHITECTURES)
+
+
 def _families() -> dict[str, tuple[tuple[Callable, ...], tuple[Callable, ...]]]:
     """Architecture -> (decoder layer forwards, attention forwards) this module replays."""
     from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer
     from vllm.model_executor.models.mistral import MistralAttention, MistralDecoderLayer
     from vllm.model_executor.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer
 
-    llama = ((LlamaDecoderLayer.forward,), (LlamaAttention.forward,))
-    return {"LlamaForCausalLM": llama,
-            "MistralForCausalLM": ((MistralDecoderLayer.forward,), (MistralAttention.forward,)),
-            "Qwen2ForCausalLM": ((Qwen2DecoderLayer.forward,), (Qwen2Attention.forward,))}
+    return dict(zip(ARCHITECTURES, (
+        ((LlamaDecoderLayer.forward,), (LlamaAttention.forward,)),
+        ((MistralDecoderLayer.forward,), (MistralAttention.forward,)),
+        ((Qwen2DecoderLayer.forward,), (Qwen2Attention.forward,))), strict=True))
 
 
 def adapt(model: torch.nn.Module, dtype: torch.dtype) -> BlendModel:
@@ -132,6 +139,3 @@ def adapt(model: torch.nn.Module, dtype: torch.dtype) -> BlendModel:
     return BlendModel(arch, inner.embed_tokens, [BlendLayer(layer, qk_norm) for layer in layers],
                       geometry, rotator, inner.embed_tokens.weight.device, dtype)
 
-
-def supported_architectures() -> set[str]:
-    return {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}

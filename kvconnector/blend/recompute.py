@@ -75,7 +75,8 @@ class Sources:
         """Mask of the first ``n`` tokens of every loaded document inside the range."""
         mask = torch.zeros(self.n, dtype=torch.bool, device=self.device)
         for s in self.doc_starts:
-            mask[max(0, s):max(0, s + n)] = True
+            if s >= 0:  # a document that starts before the range starts in exact context
+                mask[s:s + n] = True
         return mask & self.has_kv
 
     def layer(self, layer: int) -> torch.Tensor:

@@ -181,7 +181,8 @@ class BlendScheduler:
         return True
 
     def build(self, plan: StepPlan, scheduler_output: SchedulerOutput) -> None:
-        """This step's blends, and saves of the documents this step completes."""
+        """This step's blends, and saves of the documents this step completes (the caller
+        keeps the blocks they read until they are done, as for its own saves)."""
         plan.blends, self._jobs = self._jobs, []
         index, bs = self.half.index, self.half.block_size
         for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -214,7 +215,6 @@ class BlendScheduler:
                     plan.doc_saves.append(DocSave(
                         req_id, doc.doc_hash, doc.start, doc.length,
                         block_ids[doc.start // bs:-(-doc.end // bs)], pieces))
-                    st.saving = True
 
     def after_unpin(self) -> None:
         """Pieces of parked blends stay pinned until the worker reports the request."""

@@ -216,3 +216,39 @@ def cpu_kv_writer(vllm_config: VllmConfig, spec: AttentionSpec):
         ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa)
 
     return write
+
+
+def cpu_paged_attention(vllm_config: VllmConfig, spec: AttentionSpec):
+    """vLLM's own CPU attention kernel over a request's paged K/V, for queries at any
+    ascending positions: ``attend(q [A, Hq, D], kv_layer, block_table [blocks] int32,
+    q_pos [A], scale, window) -> [A, Hq * D]``. Each run of consecutive positions is one
+    sequence whose last tokens are the queries (causal, as in a chunked prefill)."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm import envs
+
+    isa = cpu_isa(vllm_config, spec)
+
+    def attend(q, kv_layer, block_table, q_pos, scale: float, window: int | None):
+        a, hq, d = q.shape
+        b, h, n, _ = kv_layer.shape
+        key_cache, value_cache = kv_layer.view(b, h, 2 * n, -1).chunk(2, dim=2)
+        breaks = (torch.nonzero(q_pos[1:] != q_pos[:-1] + 1).squeeze(1) + 1).tolist()
+        starts, ends = [0, *breaks], [*breaks, a]
+        query_start_loc = torch.tensor([*starts, a], dtype=torch.int32)
+        seq_lens = (q_pos[torch.tensor(ends) - 1] + 1).to(torch.int32)
+        table = block_table[None].expand(len(starts), -1).contiguous()
+        sliding = -1 if window is None else window
+        meta = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(starts), num_heads=hq, num_kv_heads=h, head_dim=d,
+            seq_lens=seq_lens, dtype=q.dtype, query_start_loc=query_start_loc, causal=True,
+            sliding_window_size=sliding, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV)
+        out = torch.empty_like(q)
+        ops.cpu_attention_with_kv_cache(
+            query=q.contiguous(), key_cache=key_cache, value_cache=value_cache, output=out,
+            query_start_loc=query_start_loc, seq_lens=seq_lens, scale=scale, causal=True,
+            alibi_slopes=None, sliding_window=sliding, block_table=table, softcap=0,
+            scheduler_metadata=meta, s_aux=None)
+        return out.reshape(a, hq * d)
+
+    return attend

@@ -287,6 +287,7 @@ def test_attention_of_scattered_queries_over_all_keys(window, monkeypatch):
     from kvconnector.blend import recompute
 
     monkeypatch.setattr(recompute, "_SCORE_ELEMENTS", 4 * 8 * 50)  # several query chunks
+    monkeypatch.setattr(recompute, "_SPAN", 8)  # and several position spans
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(20, 8, 16, generator=gen)
     k, v = torch.randn(50, 2, 16, generator=gen), torch.randn(50, 2, 16, generator=gen)

@@ -73,6 +73,18 @@ def prompts(sep) -> Prompts:
     return Prompts(sep)
 
 
+@pytest.fixture(scope="module")
+def stress_prompts(sep) -> list[list[int]]:
+    """Prompts of three documents each, drawn from six: most reuse stored documents."""
+    rng, avoid = random.Random(3), set(sep)
+    docs = [_tokens(rng, rng.randrange(150, 190), avoid) for _ in range(6)]
+    return [_join([[1] + _tokens(rng, 30, avoid), *rng.sample(docs, 3),
+                   _tokens(rng, 40, avoid)], sep) for _ in range(12)]
+
+
+STRESS_TOKENS = 160
+
+
 RATIO_1 = {"blend_recompute_ratio": 1.0}
 RATIO_0 = {"blend_recompute_ratio": 0.0}
 
@@ -120,15 +132,17 @@ def blend_run(peaked_mistral, prompts, redis_server, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def baseline(peaked_mistral, prompts, tmp_path_factory):
+def baseline(peaked_mistral, prompts, stress_prompts, tmp_path_factory):
     p = prompts
     res = run_engine(tmp_path_factory.mktemp("blend-base"), {
         "model": peaked_mistral, "max_model_len": MAX_LEN, "connector": None, "steps": [
             {"op": "generate", "prompts": [p.p1, p.p3, p.plain, p.small]},
-            {"op": "generate", "prompts": [p.p2], "logprobs": 20}]},
+            {"op": "generate", "prompts": [p.p2], "logprobs": 20},
+            {"op": "generate", "prompts": stress_prompts, "max_tokens": STRESS_TOKENS}]},
         runner="blend_runner.py", timeout=600)
-    (p1, p3, plain, small), (p2,) = res
-    return {"p1": p1, "p2": p2, "p3": p3, "plain": plain, "small": small}
+    (p1, p3, plain, small), (p2,), stress = res
+    return {"p1": p1, "p2": p2, "p3": p3, "plain": plain, "small": small,
+            "stress": [r["tokens"] for r in stress]}
 
 
 def _blended(prompt: list[int], block: int = 128) -> int:
@@ -232,34 +246,25 @@ def test_a_second_engine_blends_documents_from_redis(blend_run, baseline, peaked
         assert math.isclose(out["logprobs"][t], lp, abs_tol=2e-4), t
 
 
-def test_no_state_leaks_after_blends_preemptions_and_aborts(peaked_mistral, sep,
-                                                            tmp_path_factory):
-    rng, avoid = random.Random(3), set(sep)
-    docs = [_tokens(rng, rng.randrange(150, 190), avoid) for _ in range(6)]
-    prompts = []
-    for _ in range(12):
-        chosen = rng.sample(docs, 3)
-        prompts.append(_join([[1] + _tokens(rng, 30, avoid), *chosen,
-                              _tokens(rng, 40, avoid)], sep))
-    steps = [{"op": "stress", "prompts": prompts, "max_tokens": 160, "abort_after_steps": 6},
-             {"op": "totals"}, {"op": "outstanding"}]
-    spec = {"model": peaked_mistral, "kv_cache_bytes": 3 << 20, "max_model_len": 1024,
-            "prefix_caching": True, "steps": steps}
+def test_no_state_leaks_after_blends_preemptions_and_aborts(peaked_mistral, stress_prompts,
+                                                            baseline, tmp_path_factory):
+    steps = [{"op": "stress", "prompts": stress_prompts, "max_tokens": STRESS_TOKENS,
+              "abort_after_steps": 6}, {"op": "totals"}, {"op": "outstanding"}]
     res = run_engine(tmp_path_factory.mktemp("blend-stress"), {
-        **spec, "connector": {**_blend_config(), "blend_recompute_ratio": 1.0}},
+        "model": peaked_mistral, "kv_cache_bytes": 3 << 20, "max_model_len": 1024,
+        "prefix_caching": True, "steps": steps,
+        "connector": {**_blend_config(), "blend_recompute_ratio": 1.0}},
         runner="blend_runner.py", timeout=600)
     stress, totals, outstanding = res
     assert stress["resumed"] > 0, "the workload was meant to preempt requests"
     assert totals["blend_requests"] > 0
-    assert len(stress["tokens"]) == len(prompts) - len(stress["aborted"])
+    assert len(stress["tokens"]) == len(stress_prompts) - len(stress["aborted"])
     assert all(v == 0 for v in outstanding["scheduler"].values()), outstanding
     assert all(v == 0 for w in outstanding["workers"] for v in w.values()), outstanding
-    finished = [i for i in range(len(prompts)) if f"stress-{i}" in stress["tokens"]]
-    base = run_engine(tmp_path_factory.mktemp("blend-stress-base"), {
-        "model": peaked_mistral, "connector": None, "max_model_len": 1024, "steps": [
-            {"op": "generate", "prompts": [prompts[i] for i in finished], "max_tokens": 160}]},
-        runner="blend_runner.py", timeout=600)
-    assert [stress["tokens"][f"stress-{i}"] for i in finished] == [b["tokens"] for b in base[0]]
+    # Requests that survived preemption (and blends) still match vLLM alone.
+    for i in range(len(stress_prompts)):
+        if f"stress-{i}" in stress["tokens"]:
+            assert stress["tokens"][f"stress-{i}"] == baseline["stress"][i], i
 
 
 def test_qwen2_with_qkv_biases_blends_exactly_after_vllms_own_prefix_hit(sep,
@@ -303,7 +308,7 @@ def test_a_model_blend_cannot_serve_fails_at_start_up(tmp_path_factory):
         e.value)
 
 
-QUALITY_TRIALS = 12
+QUALITY_TRIALS = 8
 
 
 def test_quality_full_reuse_is_worse_than_blend_which_is_worse_than_recompute(

@@ -24,6 +24,7 @@ same code runs on CPU and CUDA.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ from kvconnector.blend.rope import ReRotator
 
 # Attention scores materialised per query chunk (elements): bounds the blend's memory.
 _SCORE_ELEMENTS = 1 << 24
+_SPAN = 512  # positions covered by one chunk of queries
 
 
 @dataclass
@@ -92,23 +94,32 @@ class Sources:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
            scale: float, window: int | None) -> torch.Tensor:
-    """Causal attention of queries ``[A, Hq, D]`` at positions ``q_pos`` over keys and
-    values ``[T, Hkv, D]`` at positions ``0 .. T-1``; returns ``[A, Hq * D]``."""
+    """Causal attention of queries ``[A, Hq, D]`` at ascending positions ``q_pos`` over
+    keys and values ``[T, Hkv, D]`` at positions ``0 .. T-1``; returns ``[A, Hq * D]``.
+
+    Queries go in chunks of nearby positions, each over the keys up to its last query
+    only, so scattered queries cost about what they would in a causal prefill."""
     a, hq, d = q.shape
     out = torch.empty((a, hq, d), dtype=q.dtype, device=q.device)
     kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     k_pos = torch.arange(k.shape[0], device=q.device)
     rows = max(1, _SCORE_ELEMENTS // max(1, hq * k.shape[0]))
-    for s in range(0, a, rows):
-        qp = q_pos[s:s + rows]
-        t = int(qp.max()) + 1  # later keys are masked for every query of the chunk
-        mask = k_pos[None, :t] <= qp[:, None]
-        if window is not None:
-            mask &= (qp[:, None] - k_pos[None, :t]) < window
-        o = F.scaled_dot_product_attention(
-            q[s:s + rows].transpose(0, 1)[None], kt[:, :, :t], vt[:, :, :t],
-            attn_mask=mask, scale=scale, enable_gqa=hq != k.shape[1])
-        out[s:s + rows] = o[0].transpose(0, 1)
+    first, last = int(q_pos[0]), int(q_pos[-1])
+    edges = torch.arange(first - first % _SPAN, last + _SPAN + 1, _SPAN, device=q.device)
+    bounds = torch.searchsorted(q_pos, edges).tolist()
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        for s in range(lo, hi, rows):
+            e = min(hi, s + rows)
+            qp = q_pos[s:e]
+            t = int(qp[-1]) + 1  # later keys are masked for every query of the chunk
+            k0 = max(0, int(qp[0]) - window + 1) if window is not None else 0
+            mask = k_pos[None, k0:t] <= qp[:, None]
+            if window is not None:
+                mask &= (qp[:, None] - k_pos[None, k0:t]) < window
+            o = F.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1)[None], kt[:, :, k0:t], vt[:, :, k0:t],
+                attn_mask=mask, scale=scale, enable_gqa=hq != k.shape[1])
+            out[s:e] = o[0].transpose(0, 1)
     return out.reshape(a, hq * d)
 
 
@@ -119,8 +130,16 @@ class BlendResult:
     recomputed: int  # tokens carried through every layer
 
 
+#: ``attend(q, kv_layer, kernel block table, q_pos, scale, window)``: attention over the
+#: request's paged K/V (vLLM's own kernel where the platform has one).
+PagedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float,
+                           "int | None"], torch.Tensor]
+
+
 def run_blend(model: BlendModel, pages: TokenPages, job: BlendJob, sources: Sources,
-              block_size: int) -> BlendResult:
+              block_size: int, paged: PagedAttention | None = None) -> BlendResult:
+    """Fill the job's range; ``paged`` attends over the pages (already holding the layer's
+    K/V for the whole request), otherwise torch attention over gathered K/V."""
     g = model.geometry
     dev = model.device
     n = job.end - job.start
@@ -128,6 +147,7 @@ def run_blend(model: BlendModel, pages: TokenPages, job: BlendJob, sources: Sour
     tokens = torch.tensor(job.token_ids, dtype=torch.long, device=dev)
     ctx_ids = pages.kernel_ids(job.block_ids[:job.start // block_size])
     range_ids = pages.kernel_ids(job.block_ids[job.start // block_size:job.end // block_size])
+    table = pages.kernel_ids(job.block_ids[:job.end // block_size]).to(torch.int32)
     must = ~sources.has_kv
     n_loaded = n - int(must.sum())
     select_at: int | None = None
@@ -164,10 +184,14 @@ def run_blend(model: BlendModel, pages: TokenPages, job: BlendJob, sources: Sour
                 continue
         if li == last:
             break
-        keys, values = kv[0], kv[1]
-        if job.start:
-            ctx = pages.read(li, ctx_ids)
-            keys, values = torch.cat([ctx[0], keys]), torch.cat([ctx[1], values])
-        o = attend(q, keys, values, positions[active], g.scale, g.sliding_window)
+        if paged is not None:
+            o = paged(q, pages.layers[li], table, positions[active], g.scale,
+                      g.sliding_window)
+        else:
+            keys, values = kv[0], kv[1]
+            if job.start:
+                ctx = pages.read(li, ctx_ids)
+                keys, values = torch.cat([ctx[0], keys]), torch.cat([ctx[1], values])
+            o = attend(q, keys, values, positions[active], g.scale, g.sliding_window)
         h, residual = layer.post(o, residual)
     return BlendResult(n, n_loaded, int(active.numel()))

@@ -227,6 +227,14 @@ class BlendScheduler:
         for req_id in output.finished_recving or ():
             self._held.pop(req_id, None)
 
+    def reset(self) -> None:
+        """After a cache reset (new key seed, empty index): requests not started yet find
+        their documents again under the new seed. Planned blends still run; pieces
+        overwritten since are caught by their key and checksum and recomputed."""
+        for req_id, br in list(self._requests.items()):
+            if not br.request.num_computed_tokens and not br.blended:
+                del self._requests[req_id]
+
     def forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
 

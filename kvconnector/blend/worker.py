@@ -26,7 +26,7 @@ from kvconnector import compat
 from kvconnector.blend.families import BlendUnsupported, adapt
 from kvconnector.blend.pages import TokenPages, probe_cpu_packing
 from kvconnector.blend.plan import BlendJob, DocLoad, DocSave
-from kvconnector.blend.recompute import LoadedPiece, Sources, run_blend
+from kvconnector.blend.recompute import LoadedPiece, PagedAttention, Sources, run_blend
 from kvconnector.blend.segments import PieceHeader, PieceHeaderError, piece_capacity, piece_view
 from kvconnector.keys import ChunkKey
 from kvconnector.store import ChunkCorrupt
@@ -71,6 +71,7 @@ class BlendWorker:
         self.chunk_size = half.config.chunk_size
         self.cap = piece_capacity(self.chunk_size)
         self.pages: TokenPages | None = None
+        self._paged: PagedAttention | None = None
         self._lock = threading.Lock()
         self._ready: list[BlendJob] = []  # async blends whose pieces have arrived
         self._fetching: set[str] = set()
@@ -86,6 +87,9 @@ class BlendWorker:
             packing = probe_cpu_packing(compat.cpu_kv_writer(self._vllm_config, half.spec),
                                         half.layout.dtype, half.layout.kernel_block_size,
                                         half.spec.num_kv_heads, half.spec.head_size)
+            # vLLM's own kernel: about 3x faster than torch's attention on CPU here, and
+            # the very arithmetic of vLLM's prefill.
+            self._paged = compat.cpu_paged_attention(self._vllm_config, half.spec)
         self.pages = TokenPages(half.layers, half.layout, self.block_size,
                                 half.spec.num_kv_heads, half.spec.head_size, packing)
         self._piece(half.pool.slot(0))  # the slot geometry fits a piece (raises if not)
@@ -144,7 +148,8 @@ class BlendWorker:
         try:
             sources = self._sources(job)
             with torch.inference_mode():
-                result = run_blend(self.model, self.pages, job, sources, self.block_size)
+                result = run_blend(self.model, self.pages, job, sources, self.block_size,
+                                   self._paged)
         except Exception:  # the range is recomputed by vLLM, never served wrong
             logger.exception("kvconnector: blending request %s failed; its blocks will be "
                              "recomputed", job.req_id)

@@ -267,31 +267,39 @@ def test_no_state_leaks_after_blends_preemptions_and_aborts(peaked_mistral, stre
             assert stress["tokens"][f"stress-{i}"] == baseline["stress"][i], i
 
 
-def test_qwen2_with_qkv_biases_blends_exactly_after_vllms_own_prefix_hit(sep,
-                                                                         tmp_path_factory):
-    """Qwen2 (q/k/v biases); vLLM's prefix cache on, so the blended range starts after
-    vLLM's own hit on the shared system prompt and first document, which the blend reads
-    as context."""
-    model = build_model(CACHE / "tiny-qwen2", tiny_tokenizer_dir(CACHE), arch="qwen2",
-                        qk_scale=4.0)
+def test_qwen2_blends_exactly_after_vllms_own_hit_and_moves_documents_exactly(
+        sep, tmp_path_factory):
+    """Qwen2 (q/k/v biases), one layer, vLLM's prefix cache on.
+
+    Ratio 1.0 after vLLM's own hit on the shared system prompt and first document (which
+    the blend reads as context) equals full prefill. With one layer, K and V depend on the
+    token and its position only, so full reuse (ratio 0) of documents moved to new
+    positions equals full prefill too exactly when re-rotation is right."""
+    model = build_model(CACHE / "tiny-qwen2-1layer", tiny_tokenizer_dir(CACHE), arch="qwen2",
+                        num_layers=1, qk_scale=4.0)
     p = Prompts(sep)
-    rng = random.Random(5)
-    ask = _join([p.s1, p.d1, p.d3, p.d2, _tokens(rng, 50, set(sep))], sep)
+    rng, avoid = random.Random(5), set(sep)
+    ask = _join([p.s1, p.d1, p.d3, p.d2, _tokens(rng, 50, avoid)], sep)
+    moved = _join([p.s2, p.d3, p.d2, p.d1, _tokens(rng, 50, avoid)], sep)
     steps = [{"op": "generate", "prompts": [p.p1]},
              {"op": "generate", "prompts": [ask], "params": RATIO_1, "logprobs": 20},
+             {"op": "generate", "prompts": [moved], "params": RATIO_0, "logprobs": 20},
              {"op": "totals"}]
     spec = {"model": model, "max_model_len": MAX_LEN, "steps": steps, "prefix_caching": True}
-    res = run_engine(tmp_path_factory.mktemp("qwen2"), {**spec, "connector": _blend_config()},
-                     runner="blend_runner.py", timeout=600)
+    res = run_engine(tmp_path_factory.mktemp("qwen2"), {
+        **spec, "connector": {**_blend_config(), "blend_check_layer": 0}},
+        runner="blend_runner.py", timeout=600)
     base = run_engine(tmp_path_factory.mktemp("qwen2-base"), {
-        **spec, "connector": None, "steps": [steps[1]]}, runner="blend_runner.py", timeout=600)
-    out, ref, totals = res[1][0], base[0][0], res[2]
-    shared = (len(p.s1) + len(sep) + len(p.d1)) // 128 * 128  # vLLM's own hit
-    assert totals["blend_requests"] == 1 and out["cached"] == _blended(ask)
-    assert totals["blend_tokens"] == _blended(ask) - shared
-    assert out["tokens"] == ref["tokens"]
-    for t, lp in ref["logprobs"].items():
-        assert math.isclose(out["logprobs"][t], lp, abs_tol=2e-4), t
+        **spec, "connector": None, "steps": steps[1:3]}, runner="blend_runner.py", timeout=600)
+    totals = res[3]
+    shared = (len(p.s1) + len(sep) + len(p.d1)) // 128 * 128  # vLLM's own hit for ``ask``
+    assert totals["blend_requests"] == 2
+    assert totals["blend_tokens"] == _blended(ask) - shared + _blended(moved)
+    for out, ref, prompt_ids in ((res[1][0], base[0][0], ask), (res[2][0], base[1][0], moved)):
+        assert out["cached"] == _blended(prompt_ids)
+        assert out["tokens"] == ref["tokens"]
+        for t, lp in ref["logprobs"].items():
+            assert math.isclose(out["logprobs"][t], lp, abs_tol=2e-4), t
 
 
 def test_a_model_blend_cannot_serve_fails_at_start_up(tmp_path_factory):

@@ -17,8 +17,9 @@ loaded ones. Each layer's K/V for the whole range is written into the request's 
 before the next layer reads it, and all of it before vLLM's forward pass runs. With ratio
 1.0 every token is recomputed and the result is vLLM's full prefill up to rounding.
 
-The range is computed densely per request, in plain torch over vLLM's own modules, so the
-same code runs on CPU and CUDA.
+The range is computed densely per request over vLLM's own modules. Attention runs on the
+request's pages through vLLM's own kernel where the worker has one (CPU), otherwise through
+torch's attention over gathered K/V (the same code on CUDA).
 """
 
 from __future__ import annotations

@@ -16,9 +16,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.engine_runner import (  # noqa: E402
-    _SERVERS,
     _flush_redis,
-    _redis_server,
     _scheduler_outstanding,
     _stress,
     _worker_outstanding,
@@ -114,23 +112,7 @@ def _layer0_rerotation(worker, tokens: list[int], p: int, q: int) -> dict:
             "largest": float(kq.abs().max())}
 
 
-def _drop_memory(llm) -> bool:
-    """Forget every chunk in the memory tier (scheduler index), so later hits need Redis."""
-    sched = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
-    for h in list(sched.index._slots):
-        sched.index.drop(h)
-    return True
-
-
 def main(spec_path: str, out_path: str) -> None:
-    try:
-        _main(spec_path, out_path)
-    finally:
-        for server in _SERVERS.values():
-            server.stop()
-
-
-def _main(spec_path: str, out_path: str) -> None:
     spec = json.load(open(spec_path))
     from vllm import LLM
 
@@ -157,8 +139,6 @@ def _main(spec_path: str, out_path: str) -> None:
         elif op == "layer0_rerotation":
             results.append(llm.collective_rpc(
                 _layer0_rerotation, args=(step["tokens"], step["p"], step["q"]))[0])
-        elif op == "drop_memory":
-            results.append(_drop_memory(llm))
         elif op == "stress":
             results.append(_stress(llm, step))
         elif op == "outstanding":
@@ -166,8 +146,6 @@ def _main(spec_path: str, out_path: str) -> None:
                             "workers": llm.collective_rpc(_worker_outstanding)})
         elif op == "flush":
             results.append(llm.collective_rpc(_flush_redis))
-        elif op == "redis_server":
-            results.append(_redis_server(step["port"], step["action"]))
         else:
             raise ValueError(f"unknown step {op}")
     json.dump(results, open(out_path, "w"))

@@ -7,6 +7,9 @@ fills every block of it before the forward pass that reads it (or, when Redis is
 before the parked request is reported received). A blended request's KV is approximate,
 so it is never stored or reused as a prefix (no prefix-chain saves, and after a preemption
 it is recomputed in full).
+
+``BlendScheduler`` is part of the scheduler half: it shares ``SchedulerHalf``'s memory index,
+Redis client, lookup thread and request states.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ received. Document saves run on the copy thread after the forward that computed 
 A document that cannot be read (missing, corrupt, wrong header) is recomputed with the
 rest of the range and forgotten by the scheduler. Any other failure reports the whole range
 as load errors, so vLLM recomputes it.
+
+``BlendWorker`` is part of the worker half: it uses ``WorkerHalf``'s pool, copy thread,
+Redis tier, counters and report (and its lock) rather than keeping copies of them.
 """
 
 from __future__ import annotations

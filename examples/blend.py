@@ -14,7 +14,9 @@ With prefix reuse alone, requests 2 and 3 would reuse only the system prompt.
 
 The default model is the tiny random-weight Mistral (kvconnector/tiny_model.py): the
 answers are meaningless text, the mechanics are real. Nothing in vLLM is patched: blend is
-one config key.
+one config key. Times here say little: on a 2-layer model the check layer is half the
+model, and a process's first blend pays one-time costs; benchmarks/bench_blend.py measures
+TTFT (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from kvconnector.blend.config import BLEND_KEYS, BlendConfig, BlendConfigError
 from kvconnector.store.codec import MIN_SECRET_BYTES
 
 # Secrets are named by an environment variable or a file, never given in the config:
@@ -83,13 +84,15 @@ class ConnectorConfig:
     Redis: every value is then signed, and values without a valid signature are misses."""
     chunk_mac_key_file: str | None = None
     """A file holding that secret."""
+    blending: BlendConfig = field(default_factory=BlendConfig)
+    """The ``blend*`` keys (kvconnector/blend/config.py), not a key itself."""
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
         from kvconnector.lmcache_config import translate  # LMCache settings -> these keys
 
         extra, _ = translate(dict(extra or {}))
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"blending"} | BLEND_KEYS
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(
@@ -97,6 +100,11 @@ class ConnectorConfig:
                 f"valid keys: {sorted(known)} (and, for an LMCache configuration, "
                 f"lmcache_config_file and lmcache.<key>)")
         values: dict[str, Any] = {}
+        try:
+            values["blending"] = BlendConfig.from_extra_config(
+                {k: v for k, v in extra.items() if k in BLEND_KEYS})
+        except BlendConfigError as e:
+            raise ConfigError(str(e)) from None
         if "chunk_size" in extra:
             v = extra["chunk_size"]
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:

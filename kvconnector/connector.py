@@ -102,6 +102,8 @@ class KVConnector(KVConnectorBase_V1):
             self.worker.load(plan)
         if plan.async_loads:
             self.worker.start_async_loads(plan)
+        if plan.blends:
+            self.worker.blend.start(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -114,6 +116,8 @@ class KVConnector(KVConnectorBase_V1):
         plan = self._plan()
         if plan.saves:
             self.worker.save(plan)
+        if plan.doc_saves:
+            self.worker.blend.save_docs(plan)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, self.worker.finished_loading() or None

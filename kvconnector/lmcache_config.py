@@ -36,8 +36,8 @@ FILE_KEY = "lmcache_config_file"
 EXTRA_PREFIX = "lmcache."
 ENV_PREFIX = "LMCACHE_"
 GIB = 1 << 30
-BLEND_COMING = ("blend (CacheBlend) is not in this kvconnector yet; it is coming. Remove "
-                "the key, or set enable_blending: false, until then")
+_NO_THRESHOLDS = ("kvconnector's blend picks the tokens to recompute by ratio "
+                  "(blend_recompute_ratios), not by threshold; remove blend_thresholds")
 
 
 def _positive_int(key: str, v: Any) -> int:
@@ -106,13 +106,11 @@ RULES: dict[str, Rule] = {
     "max_local_cpu_size": Rule(5.0, "memory_capacity", _gib_to_bytes, apply_default=True),
     "save_decode_cache": Rule(False, "save_decode_chunks", _bool, apply_default=True),
     "remote_url": Rule(None, "redis_url"),  # see _remote_url
-    "enable_blending": Rule(False, "blend", _bool, refusal=BLEND_COMING),
-    "blend_special_str": Rule(" # # ", "blend_separator", _str, refusal=BLEND_COMING),
-    "blend_recompute_ratios": Rule(None, "blend_recompute_ratio", _one_number(float),
-                                   refusal=BLEND_COMING),
-    "blend_check_layers": Rule(None, "blend_check_layer", _one_number(int),
-                               refusal=BLEND_COMING),
-    "blend_min_tokens": Rule(256, "blend_min_tokens", _positive_int, refusal=BLEND_COMING),
+    "enable_blending": Rule(False, "blend", _bool),
+    "blend_special_str": Rule(" # # ", "blend_separator", _str),
+    "blend_recompute_ratios": Rule(None, "blend_recompute_ratio", _one_number(float)),
+    "blend_check_layers": Rule(None, "blend_check_layer", _one_number(int)),
+    "blend_min_tokens": Rule(256, "blend_min_tokens", _positive_int),
     # Accepted where the value asks for what kvconnector does; refused otherwise.
     "local_cpu": Rule(True, refusal="kvconnector always keeps chunks in host memory, with "
                       "Redis behind it; remove local_cpu: false and bound the memory with "
@@ -133,7 +131,7 @@ RULES: dict[str, Rule] = {
     "local_disk": Rule(None, refusal=_NO_DISK),
     "max_local_disk_size": Rule(0.0, also_ok=(0,), refusal=_NO_DISK),
     "local_disk_path_sharding": Rule("by_gpu", refusal=_NO_DISK),
-    "blend_thresholds": Rule(None, refusal=BLEND_COMING),
+    "blend_thresholds": Rule(None, refusal=_NO_THRESHOLDS),
     "extra_config": Rule(None),  # see _extra_config
     "enable_p2p": Rule(False, refusal=_NO_CONTROLLER),
     "enable_controller": Rule(False, refusal=_NO_CONTROLLER),
@@ -210,9 +208,10 @@ class Translation:
 
 
 def _kvconnector_keys() -> set[str]:
+    from kvconnector.blend.config import BLEND_KEYS
     from kvconnector.config import ConnectorConfig
 
-    return {f.name for f in fields(ConnectorConfig)}
+    return {f.name for f in fields(ConnectorConfig)} - {"blending"} | BLEND_KEYS
 
 
 def _is_default(rule: Rule, v: Any) -> bool:

@@ -9,6 +9,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvconnector.blend.plan import BlendJob, DocSave
+
 
 @dataclass
 class ChunkTransfer:
@@ -34,12 +36,15 @@ class StepPlan(KVConnectorMetadata):
     WAITING_FOR_REMOTE_KVS) and ``saves`` run on the workers' copy thread. ``fence`` are
     requests (finished or preempted) whose queued saves read blocks vLLM hands out again
     in this step: the workers finish those copies before the step writes any KV.
+    ``blends`` and ``doc_saves`` are CacheBlend's (kvconnector/blend/plan.py).
     """
 
     loads: list[ChunkTransfer] = field(default_factory=list)
     async_loads: list[ChunkTransfer] = field(default_factory=list)
     saves: list[ChunkTransfer] = field(default_factory=list)
     fence: set[str] = field(default_factory=set)
+    blends: list[BlendJob] = field(default_factory=list)
+    doc_saves: list[DocSave] = field(default_factory=list)
 
 
 @dataclass

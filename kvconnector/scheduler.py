@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvconnector import compat
+from kvconnector.blend.scheduler import BlendScheduler
 from kvconnector.config import ConnectorConfig
 from kvconnector.keys import ChunkKey, chunk_hashes, request_seed, reset_seed
 from kvconnector.metadata import ChunkTransfer, StepPlan, WorkerReport
@@ -75,6 +76,8 @@ class SchedulerHalf:
         self._redis_tap = StoreTap()
         self._slots_reported: int | None = None
         self.resumed_requests = 0  # preempted requests seen coming back
+        self.blend = (BlendScheduler(self, vllm_config) if config.blending.enabled
+                      else None)
 
     def _state(self, request: Request) -> RequestState:
         st = self._requests.get(request.request_id)
@@ -104,6 +107,10 @@ class SchedulerHalf:
         st = self._state(request)
         if st.skip_reason:
             return 0, False
+        if self.blend is not None and st.load_limit is None:
+            blended = self.blend.match(st, num_computed_tokens)
+            if blended is not None:
+                return blended
         hashes = self._hashes(st, request.num_tokens)[:st.load_limit]
         in_memory = stored = self.index.count_prefix(hashes)
         if self.redis is not None and stored < len(hashes):
@@ -141,6 +148,9 @@ class SchedulerHalf:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
+        if self.blend is not None and self.blend.after_alloc(request, blocks,
+                                                             num_external_tokens):
+            return
         lookup = self._lookup_start.pop(request.request_id, None)
         if num_external_tokens == 0 or lookup is None:
             return
@@ -185,6 +195,10 @@ class SchedulerHalf:
                  if b in self._readers}
         plan = StepPlan(loads=self._loads, async_loads=self._async_loads, fence=fence)
         self._loads, self._async_loads = [], []
+        if self.blend is not None:
+            self.blend.build(plan, scheduler_output)
+            for save in plan.doc_saves:  # blocks handed out again wait for the document save
+                self._readers.update((b, save.req_id) for b in save.block_ids if b >= 0)
         self.resumed_requests += len(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
         c = self.config.chunk_size
         for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -216,6 +230,8 @@ class SchedulerHalf:
             st.stored = n_full
         self.stats.add(**hit_tokens_by_tier(plan.loads + plan.async_loads, self.block_size))
         self.index.unpin_all()
+        if self.blend is not None:
+            self.blend.after_unpin()
         return plan
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -228,6 +244,8 @@ class SchedulerHalf:
                 if st is not None:
                     st.load_limit = min(index, st.load_limit if st.load_limit is not None
                                         else index)
+        if self.blend is not None:
+            self.blend.update(output)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Finished or aborted: its blocks go back to vLLM at once, as without a connector
@@ -236,6 +254,8 @@ class SchedulerHalf:
         self._requests.pop(request.request_id, None)
         self._lookup_start.pop(request.request_id, None)
         self._hit_split.pop(request.request_id, None)
+        if self.blend is not None:
+            self.blend.forget(request.request_id)
         return False, None
 
     def reset(self) -> None:
@@ -256,6 +276,8 @@ class SchedulerHalf:
             elif not st.skip_reason:
                 st.skip_reason = "computed before a cache reset"
         self._lookup_start.clear()
+        if self.blend is not None:
+            self.blend.reset()
         logger.info("kvconnector: cache reset, %d stored chunks forgotten", forgotten)
 
     def shutdown(self) -> None:
@@ -266,10 +288,13 @@ class SchedulerHalf:
 
     def outstanding(self) -> dict[str, int]:
         """Per-request state still held; all zero once every request has finished."""
-        return {"requests": len(self._requests), "lookups": len(self._lookup_start),
-                "hit_splits": len(self._hit_split),
-                "planned_loads": len(self._loads) + len(self._async_loads),
-                "pinned_slots": self.index.pinned}
+        out = {"requests": len(self._requests), "lookups": len(self._lookup_start),
+               "hit_splits": len(self._hit_split),
+               "planned_loads": len(self._loads) + len(self._async_loads),
+               "pinned_slots": self.index.pinned}
+        if self.blend is not None:
+            out.update(self.blend.outstanding())
+        return out
 
     def take_stats(self) -> TransferStats | None:
         new_evictions = self.index.evictions - self._evictions_reported

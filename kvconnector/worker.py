@@ -14,6 +14,7 @@ import torch
 
 from kvconnector import compat, kernels
 from kvconnector.background import CopyThread
+from kvconnector.blend.worker import BlendWorker
 from kvconnector.config import ConnectorConfig
 from kvconnector.keys import ChunkKey
 from kvconnector.layout import LayerLayout, LayoutError, describe_layers
@@ -61,6 +62,7 @@ class WorkerHalf:
         self._lock = threading.Lock()  # sets and counters the copy thread also writes
         self._device_lock = threading.Lock()  # HostTransfer's staging buffer is shared
         self._received: set[str] = set()  # parked requests whose loads are done
+        self.blend = BlendWorker(vllm_config, self) if config.blending.enabled else None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [n for n in self.layer_names if n not in kv_caches]
@@ -85,6 +87,8 @@ class WorkerHalf:
 
             self._host_transfer = HostTransfer(self.layers, self.layout,
                                                self.config.chunk_size // kbs, max_chunks=1)
+        if self.blend is not None:
+            self.blend.attach()
         logger.info("kvconnector worker rank %d: %d layers, layout %s %s",
                     self.tp_rank, len(self.layers), self.layout.family, self.layout.sizes)
 
@@ -231,6 +235,8 @@ class WorkerHalf:
 
     def finished_loading(self) -> set[str]:
         """Parked requests whose loads are done (failed ones included)."""
+        if self.blend is not None:
+            self.blend.run_ready()
         with self._lock:
             received, self._received = self._received, set()
         return received
@@ -272,10 +278,13 @@ class WorkerHalf:
     def outstanding(self) -> dict[str, int]:
         """Pending state; all zero between steps once every request has finished."""
         queued = self.redis_tier.queued if self.redis_tier is not None else 0
-        return {"load_errors": len(self._load_errors), "bad_chunks": len(self._report.bad_chunks),
-                "failed_loads": len(self._report.failed_loads),
-                "redis_puts_queued": queued, "copy_jobs": self.copies.pending,
-                "received": len(self._received)}
+        out = {"load_errors": len(self._load_errors), "bad_chunks": len(self._report.bad_chunks),
+               "failed_loads": len(self._report.failed_loads),
+               "redis_puts_queued": queued, "copy_jobs": self.copies.pending,
+               "received": len(self._received)}
+        if self.blend is not None:
+            out.update(self.blend.outstanding())
+        return out
 
     def shutdown(self) -> None:
         """Within ``SHUTDOWN_BUDGET_S``: what is queued and not started is dropped."""

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import re
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -168,27 +167,17 @@ def test_everything_without_a_meaning_is_refused_by_name(tmp_path):
         assert re.search(r"\b(remove|set|use)\b", line), f"no advice in: {line}"
 
 
-def test_blend_keys_are_refused_until_blend_exists(tmp_path):
-    found = refusals({"lmcache_config_file": write(tmp_path, BLEND_YAML)})
-    assert [f.split(": ")[1].split("=")[0] for f in found] == [
-        "enable_blending", "blend_recompute_ratios", "blend_check_layers"]
-    assert all("coming" in f for f in found)
-    # Blend switched off (LMCache's default) is fine.
-    ConnectorConfig.from_extra_config({"lmcache.enable_blending": False,
-                                       "lmcache.blend_special_str": " # # "})
-
-
-def test_blend_keys_map_once_the_config_has_them(tmp_path, monkeypatch):
-    """The mapping is data: when config.py gains blend's keys, LMCache's map onto them."""
-    blend_keys = {"blend", "blend_separator", "blend_recompute_ratio", "blend_check_layer",
-                  "blend_min_tokens"}
-    own = {f.name for f in fields(ConnectorConfig)}
-    monkeypatch.setattr(lmcache_config, "_kvconnector_keys", lambda: own | blend_keys)
-    extra, _ = translate({"lmcache_config_file": write(tmp_path, BLEND_YAML)})
-    assert {k: extra[k] for k in blend_keys - {"blend_min_tokens"}} == {
-        "blend": True, "blend_separator": " # # ", "blend_recompute_ratio": 0.15,
-        "blend_check_layer": 1}
-    assert extra["blend_min_tokens"] == 256  # LMCache's default comes with enable_blending
+def test_blend_keys_map_onto_kvconnector_blend(tmp_path):
+    cfg = ConnectorConfig.from_extra_config({"lmcache_config_file": write(tmp_path, BLEND_YAML)})
+    b = cfg.blending
+    assert (b.enabled, b.separator, b.recompute_ratio, b.check_layer, b.min_tokens) == (
+        True, " # # ", 0.15, 1, 256)  # blend_min_tokens: LMCache's default comes with it
+    # Blend switched off (LMCache's default) is fine, and stays off.
+    off = ConnectorConfig.from_extra_config({"lmcache.enable_blending": False,
+                                             "lmcache.blend_special_str": " # # "})
+    assert not off.blending.enabled
+    found = refusals({"lmcache.enable_blending": True, "lmcache.blend_thresholds": [0.1]})
+    assert len(found) == 1 and "blend_thresholds" in found[0]
 
 
 def test_valkey_urls(tmp_path):

@@ -1,0 +1,117 @@
+"""The ``blend*`` keys of ``kv_connector_extra_config``, checked at start-up, and their
+per-request overrides (``kv_transfer_params``)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+logger = logging.getLogger("kvconnector.blend.config")
+
+STRATEGIES = ("cacheblend", "epic")
+
+#: Every config key this module owns, and the subset a request may override.
+BLEND_KEYS = frozenset({"blend", "blend_separator", "blend_separator_ids",
+                        "blend_recompute_ratio", "blend_check_layer", "blend_strategy",
+                        "blend_epic_tokens", "blend_min_tokens"})
+REQUEST_KEYS = frozenset({"blend", "blend_recompute_ratio", "blend_check_layer",
+                          "blend_strategy", "blend_epic_tokens", "blend_min_tokens"})
+
+
+class BlendConfigError(ValueError):
+    """A ``blend*`` value is invalid; the message names the key."""
+
+
+def _int(key: str, v: Any, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise BlendConfigError(f"{key}: expected an int >= {lo}, got {v!r}")
+    return v
+
+
+def _parse(extra: dict[str, Any]) -> dict[str, Any]:
+    """Field values from config keys (only those present)."""
+    values: dict[str, Any] = {}
+    if "blend" in extra:
+        if not isinstance(extra["blend"], bool):
+            raise BlendConfigError(f"blend: expected true or false, got {extra['blend']!r}")
+        values["enabled"] = extra["blend"]
+    if "blend_separator" in extra:
+        v = extra["blend_separator"]
+        if not isinstance(v, str) or not v:
+            raise BlendConfigError(f"blend_separator: expected a non-empty string, got {v!r}")
+        values["separator"] = v
+    if extra.get("blend_separator_ids") is not None:
+        v = extra["blend_separator_ids"]
+        if (not isinstance(v, (list, tuple)) or not v
+                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in v)):
+            raise BlendConfigError(
+                f"blend_separator_ids: expected a non-empty list of token ids, got {v!r}")
+        values["separator_ids"] = tuple(v)
+    if "blend_recompute_ratio" in extra:
+        v = extra["blend_recompute_ratio"]
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v)
+                or not 0 <= v <= 1):
+            raise BlendConfigError(
+                f"blend_recompute_ratio: expected a number from 0 to 1, got {v!r}")
+        values["recompute_ratio"] = float(v)
+    if "blend_check_layer" in extra:
+        values["check_layer"] = _int("blend_check_layer", extra["blend_check_layer"], 0)
+    if "blend_strategy" in extra:
+        v = extra["blend_strategy"]
+        if v not in STRATEGIES:
+            raise BlendConfigError(f"blend_strategy: expected one of {list(STRATEGIES)}, "
+                                   f"got {v!r}")
+        values["strategy"] = v
+    if "blend_epic_tokens" in extra:
+        values["epic_tokens"] = _int("blend_epic_tokens", extra["blend_epic_tokens"], 0)
+    if "blend_min_tokens" in extra:
+        values["min_tokens"] = _int("blend_min_tokens", extra["blend_min_tokens"], 0)
+    return values
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    """Non-prefix reuse of documents (CacheBlend); see docs/blend.md."""
+
+    enabled: bool = False
+    """``blend``: store each document of a separated prompt under its own key and reuse
+    it at any position."""
+    separator: str = " # # "
+    """``blend_separator``: the text between segments, tokenized alone (no special tokens)."""
+    separator_ids: tuple[int, ...] | None = None
+    """``blend_separator_ids``: the separator as token ids; wins over ``separator``."""
+    recompute_ratio: float = 0.15
+    """``blend_recompute_ratio``: share of reused tokens recomputed (cacheblend)."""
+    check_layer: int = 1
+    """``blend_check_layer``: layer whose K/V deviation picks the tokens to recompute."""
+    strategy: str = "cacheblend"
+    """``blend_strategy``: "cacheblend" (top deviation at the check layer) or "epic" (the
+    first ``epic_tokens`` of every reused document)."""
+    epic_tokens: int = 32
+    """``blend_epic_tokens``: tokens recomputed at the start of each document (epic)."""
+    min_tokens: int = 256
+    """``blend_min_tokens``: below this many reusable document tokens a request is served
+    by prefix reuse alone."""
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> BlendConfig:
+        unknown = sorted(set(extra) - BLEND_KEYS)
+        if unknown:
+            raise BlendConfigError(f"unknown blend key(s) {unknown}; valid: {sorted(BLEND_KEYS)}")
+        return cls(**_parse(extra))
+
+    def for_request(self, params: dict[str, Any] | None) -> BlendConfig:
+        """This config with a request's ``kv_transfer_params`` overrides applied. A bad
+        override is logged and ignored: it never fails the request."""
+        if not params:
+            return self
+        wanted = {k: v for k, v in params.items() if k in REQUEST_KEYS}
+        if not wanted:
+            return self
+        try:
+            return replace(self, **_parse(wanted))
+        except BlendConfigError as e:
+            logger.warning("kvconnector: ignoring the request's blend override: %s", e)
+            return self

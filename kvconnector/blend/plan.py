@@ -1,0 +1,65 @@
+"""What the scheduler half tells the workers about blends (carried in ``StepPlan``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PieceLoad:
+    chunk_hash: bytes
+    slot: int
+    from_redis: bool = False  # fetched into the slot from Redis first
+
+
+@dataclass
+class DocLoad:
+    """A stored document that sits at tokens ``[start, start + length)`` of this request."""
+
+    doc_hash: bytes
+    start: int
+    length: int
+    pieces: list[PieceLoad]
+
+
+@dataclass
+class BlendJob:
+    """Fill tokens ``[start, end)`` of a request with blended KV before it runs.
+
+    Tokens before ``start`` are vLLM's own prefix-cache hit and are read, never written.
+    ``block_ids`` are the request's scheduler blocks covering ``[0, end)``; ``start`` and
+    ``end`` are block aligned. Every token of the range that no loaded document covers is
+    recomputed; so is the share the strategy picks.
+    """
+
+    req_id: str
+    start: int
+    end: int
+    token_ids: list[int]  # tokens [start, end)
+    block_ids: list[int]
+    docs: list[DocLoad]
+    strategy: str
+    recompute_ratio: float
+    check_layer: int
+    epic_tokens: int
+    load_async: bool = False  # parked in WAITING_FOR_REMOTE_KVS: report in finished_recving
+
+    @property
+    def slots(self) -> list[int]:
+        return [p.slot for d in self.docs for p in d.pieces]
+
+
+@dataclass
+class DocSave:
+    """Copy a computed document's KV out of the request's blocks into piece slots.
+
+    ``block_ids`` cover the document's tokens, starting with block ``start // block_size``.
+    ``pieces`` are ``(piece index, key hash, slot)`` for the pieces to write.
+    """
+
+    req_id: str
+    doc_hash: bytes
+    start: int
+    length: int
+    block_ids: list[int]
+    pieces: list[tuple[int, bytes, int]] = field(default_factory=list)

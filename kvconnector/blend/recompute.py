@@ -1,0 +1,198 @@
+"""The selective recompute: fill a request's blended range with KV, layer by layer.
+
+For tokens ``[start, end)`` (the blended range; vLLM's own prefix hit before it is read as
+exact context):
+
+- every token that no loaded document covers (separators, documents not in the store, the
+  start of the question) is recomputed at every layer;
+- "cacheblend": layers below the check layer are computed for every token; at the check
+  layer the fresh K/V of every token is compared with its loaded (re-rotated) K/V, and the
+  ``ratio`` share of loaded tokens that deviate most join the recomputed set (ratio 0 is
+  full reuse: no check layer, nothing else recomputed);
+- "epic": the first ``epic_tokens`` tokens of every loaded document join it, from layer 0.
+
+From then on only the recomputed tokens are carried through the layers; their queries
+attend over every key of the request (loaded or fresh), and their fresh K/V replace the
+loaded ones. Each layer's K/V for the whole range is written into the request's blocks
+before the next layer reads it, and all of it before vLLM's forward pass runs. With ratio
+1.0 every token is recomputed and the result is vLLM's full prefill up to rounding.
+
+The range is computed densely per request over vLLM's own modules. Attention runs on the
+request's pages through vLLM's own kernel where the worker has one (CPU), otherwise through
+torch's attention over gathered K/V (the same code on CUDA).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvconnector.blend.families import BlendModel
+from kvconnector.blend.pages import TokenPages
+from kvconnector.blend.plan import BlendJob
+from kvconnector.blend.rope import ReRotator
+
+# Attention scores materialised per query chunk (elements): bounds the blend's memory.
+_SCORE_ELEMENTS = 1 << 24
+_SPAN = 512  # positions covered by one chunk of queries
+
+
+@dataclass
+class LoadedPiece:
+    """Stored K/V ``[layers, 2, tokens, H, D]`` for range tokens ``offset ...``, computed at
+    positions ``stored_pos ...``."""
+
+    offset: int  # relative to the range start; negative if the piece starts before it
+    data: torch.Tensor
+    stored_pos: int
+
+
+class Sources:
+    """The loaded K/V of the range, per layer, moved to the range's positions."""
+
+    def __init__(self, num_tokens: int, start: int, pieces: list[LoadedPiece],
+                 doc_starts: list[int], rotator: ReRotator, kv_shape: tuple[int, int],
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.n, self.start = num_tokens, start
+        self.rotator, self.kv_shape = rotator, kv_shape
+        self.device, self.dtype = device, dtype
+        self.pieces: list[tuple[LoadedPiece, int, int]] = []  # piece, first, last row used
+        self.has_kv = torch.zeros(num_tokens, dtype=torch.bool)
+        for p in pieces:
+            lo, hi = max(0, -p.offset), min(p.data.shape[2], num_tokens - p.offset)
+            if hi > lo:
+                self.pieces.append((p, lo, hi))
+                self.has_kv[p.offset + lo:p.offset + hi] = True
+        self.doc_starts = doc_starts  # range-relative starts of the loaded documents
+        self.has_kv = self.has_kv.to(device)
+
+    @property
+    def loaded_tokens(self) -> int:
+        return int(self.has_kv.sum())
+
+    def doc_heads(self, n: int) -> torch.Tensor:
+        """Mask of the first ``n`` tokens of every loaded document inside the range."""
+        mask = torch.zeros(self.n, dtype=torch.bool, device=self.device)
+        for s in self.doc_starts:
+            if s >= 0:  # a document that starts before the range starts in exact context
+                mask[s:s + n] = True
+        return mask & self.has_kv
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """``[2, tokens, H, D]``: loaded K (re-rotated) and V, zeros where nothing is loaded."""
+        kv = torch.zeros((2, self.n, *self.kv_shape), dtype=self.dtype, device=self.device)
+        for p, lo, hi in self.pieces:
+            src = p.data[layer, :, lo:hi].to(self.device, non_blocking=True)
+            a, b = p.offset + lo, p.offset + hi
+            kv[0, a:b] = self.rotator.move(src[0], p.stored_pos + lo, self.start + a)
+            kv[1, a:b] = src[1]
+        return kv
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+           scale: float, window: int | None) -> torch.Tensor:
+    """Causal attention of queries ``[A, Hq, D]`` at ascending positions ``q_pos`` over
+    keys and values ``[T, Hkv, D]`` at positions ``0 .. T-1``; returns ``[A, Hq * D]``.
+
+    Queries go in chunks of nearby positions, each over the keys up to its last query
+    only, so scattered queries cost about what they would in a causal prefill."""
+    a, hq, d = q.shape
+    out = torch.empty((a, hq, d), dtype=q.dtype, device=q.device)
+    kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    k_pos = torch.arange(k.shape[0], device=q.device)
+    rows = max(1, _SCORE_ELEMENTS // max(1, hq * k.shape[0]))
+    first, last = int(q_pos[0]), int(q_pos[-1])
+    edges = torch.arange(first - first % _SPAN, last + _SPAN + 1, _SPAN, device=q.device)
+    bounds = torch.searchsorted(q_pos, edges).tolist()
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        for s in range(lo, hi, rows):
+            e = min(hi, s + rows)
+            qp = q_pos[s:e]
+            t = int(qp[-1]) + 1  # later keys are masked for every query of the chunk
+            k0 = max(0, int(qp[0]) - window + 1) if window is not None else 0
+            mask = k_pos[None, k0:t] <= qp[:, None]
+            if window is not None:
+                mask &= (qp[:, None] - k_pos[None, k0:t]) < window
+            o = F.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1)[None], kt[:, :, k0:t], vt[:, :, k0:t],
+                attn_mask=mask, scale=scale, enable_gqa=hq != k.shape[1])
+            out[s:e] = o[0].transpose(0, 1)
+    return out.reshape(a, hq * d)
+
+
+@dataclass
+class BlendResult:
+    tokens: int  # the range
+    loaded: int  # tokens a stored document covered
+    recomputed: int  # tokens carried through every layer
+
+
+#: ``attend(q, kv_layer, kernel block table, q_pos, scale, window)``: attention over the
+#: request's paged K/V (vLLM's own kernel where the platform has one).
+PagedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float,
+                           "int | None"], torch.Tensor]
+
+
+def run_blend(model: BlendModel, pages: TokenPages, job: BlendJob, sources: Sources,
+              block_size: int, paged: PagedAttention | None = None) -> BlendResult:
+    """Fill the job's range; ``paged`` attends over the pages (already holding the layer's
+    K/V for the whole request), otherwise torch attention over gathered K/V."""
+    g = model.geometry
+    dev = model.device
+    n = job.end - job.start
+    positions = torch.arange(job.start, job.end, device=dev)
+    tokens = torch.tensor(job.token_ids, dtype=torch.long, device=dev)
+    ctx_ids = pages.kernel_ids(job.block_ids[:job.start // block_size])
+    range_ids = pages.kernel_ids(job.block_ids[job.start // block_size:job.end // block_size])
+    table = pages.kernel_ids(job.block_ids[:job.end // block_size]).to(torch.int32)
+    must = ~sources.has_kv
+    n_loaded = n - int(must.sum())
+    select_at: int | None = None
+    if job.strategy == "epic":
+        active = (must | sources.doc_heads(job.epic_tokens)).nonzero().squeeze(1)
+    elif job.recompute_ratio == 0:  # full reuse: only what nothing covers
+        active = must.nonzero().squeeze(1)
+    else:
+        active = torch.arange(n, device=dev)
+        if job.recompute_ratio < 1 and n_loaded:
+            select_at = min(job.check_layer, g.num_layers - 1)
+    h = model.embed(tokens[active]) if active.numel() else None
+    residual: torch.Tensor | None = None
+    last = g.num_layers - 1
+    for li, layer in enumerate(model.layers):
+        kv = sources.layer(li)
+        if h is None:  # nothing left to recompute: the loaded K/V is the answer
+            pages.write(li, range_ids, kv)
+            continue
+        x, residual = layer.norm_in(h, residual)
+        q, k, v = layer.qkv(x, positions[active])
+        if li == select_at:
+            deviation = ((k.float() - kv[0].float()) ** 2).sum((1, 2)) + (
+                (v.float() - kv[1].float()) ** 2).sum((1, 2))
+            deviation[must] = math.inf
+            n_pick = n - n_loaded + math.ceil(job.recompute_ratio * n_loaded)
+            pick = torch.topk(deviation, n_pick).indices.sort().values
+        kv[0, active], kv[1, active] = k, v
+        pages.write(li, range_ids, kv)
+        if li == select_at:
+            q, residual, active = q[pick], residual[pick], active[pick]
+            if not active.numel():
+                h = None
+                continue
+        if li == last:
+            break
+        if paged is not None:
+            o = paged(q, pages.layers[li], table, positions[active], g.scale,
+                      g.sliding_window)
+        else:
+            keys, values = kv[0], kv[1]
+            if job.start:
+                ctx = pages.read(li, ctx_ids)
+                keys, values = torch.cat([ctx[0], keys]), torch.cat([ctx[1], values])
+            o = attend(q, keys, values, positions[active], g.scale, g.sliding_window)
+        h, residual = layer.post(o, residual)
+    return BlendResult(n, n_loaded, int(active.numel()))

@@ -1,0 +1,101 @@
+"""Moving stored keys to new positions.
+
+RoPE rotates each pair of key dimensions by ``position * w_i``. When the angle is linear in
+the position (plain RoPE and the scalings whose frequency table does not depend on the
+position: linear, llama3, YaRN, static NTK), a key computed at ``p`` becomes the key at
+``q`` by one more rotation by ``(q - p) * w_i``; nothing else about it changes. Anything
+else (mRoPE, long-RoPE's two tables, dual-chunk, position-dependent scaling) cannot be
+moved exactly and is refused when blend starts.
+
+The rotation for ``p -> q`` is taken from vLLM's own float32 table, by the angle difference
+formula, so it uses the very frequencies (and per-position rounding) the model uses,
+scaling and YaRN's magnitude factor included.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RopeUnsupported(ValueError):
+    """The model's rotary embedding cannot be re-rotated exactly."""
+
+
+_METHODS = ("forward", "forward_native", "forward_static", "forward_cuda", "forward_cpu",
+            "forward_hip", "forward_xpu")
+
+
+class ReRotator:
+    def __init__(self, rope: torch.nn.Module) -> None:
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+        name = type(rope).__name__
+        if not isinstance(rope, RotaryEmbedding) or any(
+                getattr(type(rope), m, None) is not getattr(RotaryEmbedding, m, None)
+                for m in _METHODS):
+            raise RopeUnsupported(
+                f"rotary embedding {name} does not rotate by a plain table lookup at each "
+                "position, so stored keys cannot be moved to new positions exactly")
+        self.rotary_dim: int = rope.rotary_dim
+        self.head_size: int = rope.head_size
+        self.neox: bool = rope.is_neox_style
+        table = rope._compute_cos_sin_cache().to(torch.float64)  # [max_pos, rotary_dim]
+        half = self.rotary_dim // 2
+        self.cos, self.sin = table[:, :half], table[:, half:]
+        self.max_position = table.shape[0]
+        self._check_linear(name)
+
+    def _check_linear(self, name: str) -> None:
+        """The table must be ``m * (cos, sin)(p * w)`` for one ``w`` and magnitude ``m``."""
+        mag = torch.sqrt(self.cos ** 2 + self.sin ** 2)
+        self.magnitude = float(mag[0].mean())
+        if self.max_position < 2 or not torch.allclose(
+                mag, torch.full_like(mag, self.magnitude), rtol=1e-4, atol=0):
+            raise RopeUnsupported(f"rotary embedding {name}: its table's magnitude varies "
+                                  "with the position")
+        w = torch.atan2(self.sin[1], self.cos[1])
+        step = max(1, self.max_position // 257)
+        pos = torch.arange(0, self.max_position, step, dtype=torch.float64)
+        pos = torch.cat([pos, torch.tensor([self.max_position - 1.0])])
+        angle = pos[:, None] * w[None, :]
+        err = ((self.cos[pos.long()] - self.magnitude * torch.cos(angle)).abs().max()
+               + (self.sin[pos.long()] - self.magnitude * torch.sin(angle)).abs().max())
+        # Float32 angles drift by about position * 6e-8 rad; non-linear tables are off by
+        # far more than this bound.
+        if float(err) > 1e-2 * self.magnitude + self.max_position * 1e-7:
+            raise RopeUnsupported(
+                f"rotary embedding {name}: its angles are not proportional to the position "
+                f"(off by {float(err):.3g}), so a stored key cannot be moved by one rotation")
+
+    def delta(self, from_pos: int, to_pos: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[n, rotary_dim / 2]`` of the rotations that move keys from
+        ``from_pos + i`` to ``to_pos + i``. Per token, not one angle for all: the table's
+        float32 angles are rounded per position, and composing with exactly the rows vLLM
+        used makes the moved key equal the key computed at the new position."""
+        for p in (from_pos, to_pos):
+            if not (0 <= p and p + n <= self.max_position):
+                raise ValueError(f"positions {p}..{p + n - 1} are outside the rotary table "
+                                 f"(0..{self.max_position - 1})")
+        cp, sp = self.cos[from_pos:from_pos + n], self.sin[from_pos:from_pos + n]
+        cq, sq = self.cos[to_pos:to_pos + n], self.sin[to_pos:to_pos + n]
+        m2 = self.magnitude ** 2
+        return (cq * cp + sq * sp) / m2, (sq * cp - cq * sp) / m2
+
+    def move(self, key: torch.Tensor, from_pos: int, to_pos: int) -> torch.Tensor:
+        """Keys ``[tokens, heads, head_size]`` computed at ``from_pos + i``, moved to
+        ``to_pos + i``."""
+        if from_pos == to_pos:
+            return key
+        cos, sin = self.delta(from_pos, to_pos, key.shape[0])
+        cos = cos.to(key.device, torch.float32)[:, None, :]
+        sin = sin.to(key.device, torch.float32)[:, None, :]
+        r = self.rotary_dim
+        k = key.to(torch.float32)
+        rot = k[..., :r]
+        if self.neox:
+            x1, x2 = rot[..., : r // 2], rot[..., r // 2:]
+            out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        return torch.cat([out, k[..., r:]], dim=-1).to(key.dtype)

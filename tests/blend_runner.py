@@ -1,0 +1,155 @@
+"""Runs a real vLLM engine (CPU build) through a list of blend steps; used by the blend
+tests and the blend benchmark.
+
+Usage: python tests/blend_runner.py SPEC.json OUT.json. Steps the prefix tests also use
+come from tests/engine_runner.py; this adds per-request blend settings, first-token
+logprobs and timing, and tampering with stored documents.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from tests.engine_runner import (  # noqa: E402
+    _flush_redis,
+    _scheduler_outstanding,
+    _stress,
+    _worker_outstanding,
+    _worker_totals,
+    connector_config,
+)
+
+
+def _generate(llm, step: dict) -> list[dict]:
+    """One request at a time; ``params`` go to the connector as ``kv_transfer_params``."""
+    from vllm import SamplingParams
+
+    outs = []
+    for i, p in enumerate(step["prompts"]):
+        params = step.get("params")
+        if isinstance(params, list):
+            params = params[i]
+        sp = SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8),
+                            ignore_eos=True, logprobs=step.get("logprobs"),
+                            extra_args={"kv_transfer_params": params} if params else None)
+        start = time.perf_counter()
+        o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
+        seconds = time.perf_counter() - start
+        out = {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0,
+               "seconds": seconds}
+        if step.get("logprobs") is not None:
+            first = o.outputs[0].logprobs[0]
+            out["logprobs"] = {str(t): lp.logprob for t, lp in first.items()}
+        outs.append(out)
+    return outs
+
+
+def _drain_copies(worker) -> bool:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    get_kv_transfer_group().worker.copies.drain()
+    return True
+
+
+def _doc_slots(worker, doc_tokens: list[int]) -> list[int]:
+    """Memory slots holding the pieces of a document (tokens as they appear in a prompt)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvconnector.blend.segments import documents
+    from kvconnector.keys import ChunkKey, request_seed
+
+    half = get_kv_transfer_group().worker
+    sep = [-1]  # a document followed by a separator: the document's own key
+    (doc,) = documents(list(doc_tokens) + sep + [0], sep, request_seed(half.fingerprint, None),
+                       half.config.chunk_size)
+    return [half.pool.slot_holding(ChunkKey(half.fingerprint, half.tp_rank, h))
+            for h in doc.pieces]
+
+
+def _corrupt_doc(worker, doc_tokens: list[int], reseal: bool) -> int:
+    """Overwrite the KV of a stored document's pieces with noise (headers kept); ``reseal``
+    also fixes their checksums, so only the data is wrong (a control that loaded KV is
+    really used)."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    half = get_kv_transfer_group().worker
+    n = 0
+    for slot in _doc_slots(worker, doc_tokens):
+        if slot is None:
+            continue
+        data, _ = half.blend._piece(half.pool.slot(slot))
+        gen = torch.Generator().manual_seed(7)
+        data.copy_((torch.randn(data.shape, generator=gen) * 4).to(data.dtype))
+        if reseal:
+            half.pool.end_write(slot, half.pool.header(slot).key)
+        n += 1
+    return n
+
+
+def _layer0_rerotation(worker, tokens: list[int], p: int, q: int) -> dict:
+    """Layer 0's keys of ``tokens`` computed at positions ``p...`` and moved to ``q...``,
+    against the keys computed at ``q...`` (layer 0's keys do not depend on context)."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    model = get_kv_transfer_group().worker.blend.model
+    layer, ids = model.layers[0], torch.tensor(tokens)
+
+    def keys_at(pos: int) -> torch.Tensor:
+        x, _ = layer.norm_in(model.embed(ids), None)
+        return layer.qkv(x, torch.arange(pos, pos + len(tokens)))[1]
+
+    with torch.inference_mode():
+        kp, kq = keys_at(p), keys_at(q)
+        moved = model.rotator.move(kp, p, q)
+    return {"moved": float((moved - kq).abs().max()), "not_moved": float((kp - kq).abs().max()),
+            "largest": float(kq.abs().max())}
+
+
+def main(spec_path: str, out_path: str) -> None:
+    spec = json.load(open(spec_path))
+    from vllm import LLM
+
+    kw = dict(model=spec["model"], dtype=spec.get("dtype", "float32"),
+              kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
+              enable_prefix_caching=spec.get("prefix_caching", False),
+              max_model_len=spec.get("max_model_len", 4096), enforce_eager=True, seed=0,
+              max_logprobs=spec.get("max_logprobs", 20))
+    if spec.get("connector") is not None:
+        kw["kv_transfer_config"] = connector_config(spec["connector"])
+    llm = LLM(**kw)
+    results: list = []
+    for step in spec["steps"]:
+        op = step["op"]
+        if op == "generate":
+            results.append(_generate(llm, step))
+        elif op == "totals":
+            llm.collective_rpc(_drain_copies)  # count the saves queued so far
+            per_rank = llm.collective_rpc(_worker_totals)
+            results.append({k: sum(r.get(k, 0) for r in per_rank) for k in per_rank[0]})
+        elif op == "corrupt_doc":
+            results.append(llm.collective_rpc(
+                _corrupt_doc, args=(step["doc"], step.get("reseal", False)))[0])
+        elif op == "layer0_rerotation":
+            results.append(llm.collective_rpc(
+                _layer0_rerotation, args=(step["tokens"], step["p"], step["q"]))[0])
+        elif op == "stress":
+            results.append(_stress(llm, step))
+        elif op == "outstanding":
+            results.append({"scheduler": _scheduler_outstanding(llm),
+                            "workers": llm.collective_rpc(_worker_outstanding)})
+        elif op == "flush":
+            results.append(llm.collective_rpc(_flush_redis))
+        else:
+            raise ValueError(f"unknown step {op}")
+    json.dump(results, open(out_path, "w"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -14,6 +14,9 @@ Every configuration runs in its own fresh process, on the same prompts, one afte
 * ``kvconnector redis``: a second engine, with an empty memory tier, loads what a first
   engine wrote to a local redis-server.
 
+Every engine prefills a prompt in one step (``max_num_batched_tokens`` = the longest
+prompt): ExampleConnector keeps only the last step of a prompt prefilled in several steps
+and then fails to load it (a shape mismatch that stops the engine, seen at 8192 tokens).
 vLLM's own prefix cache is off for every connector, so each hit is the connector's. TTFT is
 the latency of a one-token generation of one request; per length the median over
 ``--repeats`` distinct prompts. After the timed hit, each prompt is generated once more (a
@@ -60,7 +63,8 @@ def run_config(model: str, args, kvt: dict | None, prompts: dict[int, list[list[
     ttft: dict[int, float] = {}
     cached: dict[int, list[int]] = {}
     tokens: dict[int, list[list[int]]] = {}
-    with engine(model, args, kvt, max_len, enable_prefix_caching=prefix_caching) as llm:
+    with engine(model, args, kvt, max_len, enable_prefix_caching=prefix_caching,
+                max_num_batched_tokens=max_len) as llm:
         timed_generate(llm, [random_prompt(random.Random(9), 300, 400)], 1)
         for n, group in prompts.items():
             times, cached[n], tokens[n] = [], [], []
@@ -81,7 +85,9 @@ def fill_redis(model: str, args, kvt: dict, prompts: dict[int, list[list[int]]],
     """A first engine stores every prompt; returns once Redis holds all their chunks."""
     import redis
 
-    with engine(model, args, kvt, max(prompts) + 64, enable_prefix_caching=False) as llm:
+    max_len = max(prompts) + 64
+    with engine(model, args, kvt, max_len, enable_prefix_caching=False,
+                max_num_batched_tokens=max_len) as llm:
         for group in prompts.values():
             for p in group:
                 timed_generate(llm, [p], 1)
@@ -115,7 +121,8 @@ def main() -> None:
     add_model_args(p)
     p.set_defaults(dtype="bfloat16", redis=True)
     p.add_argument("--no-redis", dest="redis", action="store_false")
-    p.add_argument("--lengths", default="1024,2048,4096,8192,16384")
+    # 16000, not 16384: the tiny model's 16384 positions must also hold the checked tokens.
+    p.add_argument("--lengths", default="1024,2048,4096,8192,16000")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--check-tokens", type=int, default=16)
     with redis_for(p.parse_args()) as args:

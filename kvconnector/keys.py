@@ -15,6 +15,7 @@ import numpy as np
 
 FORMAT_VERSION = 1
 HASH_BYTES = 16
+PARTIAL_PERSON = b"kvc-partial"
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,15 @@ def chunk_hashes(token_ids: Sequence[int], chunk_size: int, seed: bytes) -> list
         prev = h.digest()
         out.append(prev)
     return out
+
+
+def partial_chunk_hash(prev: bytes, token_ids: Sequence[int]) -> bytes:
+    """The key of a chunk's first blocks only (the trailing part of a prompt or answer that
+    does not fill a chunk): chained from the previous full chunk's hash like a full chunk,
+    but personalised, so it never equals a full chunk's hash, whatever its tokens."""
+    h = hashlib.blake2b(prev, digest_size=HASH_BYTES, person=PARTIAL_PERSON)
+    h.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    return h.digest()
 
 
 def request_seed(fingerprint: bytes, cache_salt: str | None) -> bytes:

@@ -28,7 +28,7 @@ def host_memory() -> tuple[int, int]:
 
 
 class ChunkCorrupt(RuntimeError):
-    """A stored chunk failed its key or checksum check; it must not be used."""
+    """A slot does not hold the chunk asked for (another key, or none); it must not be used."""
 
 
 class MemoryIndex:
@@ -114,7 +114,7 @@ class MemoryIndex:
 @dataclass(frozen=True)
 class SlotHeader:
     key: ChunkKey
-    checksum: int
+    checksum: int | None  # CRC32 of the bytes, for slots bound for Redis only
 
 
 def checksum(data: torch.Tensor) -> int:
@@ -125,7 +125,10 @@ class SlotPool:
     """Worker-side bytes of the memory tier: one allocation of ``num_slots`` chunks.
 
     Pinned when CUDA is present (fast, asynchronous host copies). Every slot carries the
-    key it holds and a checksum of its bytes; ``read`` refuses a slot that does not match.
+    key it holds; ``read`` refuses a slot sealed under another key, or not sealed at all
+    (a write in progress or failed). Slot bytes are not re-checked on read: they never
+    leave this process (docs/architecture.md, "Integrity"). A slot bound for Redis also
+    carries the CRC32 of its bytes, taken when it was sealed, for the value's header.
     """
 
     def __init__(self, num_slots: int, chunk_shape: Sequence[int], dtype: torch.dtype) -> None:
@@ -162,8 +165,9 @@ class SlotPool:
         return self.buffer[slot]
 
     def end_write(self, slot: int, key: ChunkKey, crc: int | None = None) -> None:
-        """Seal a slot; ``crc`` when its bytes were already verified against it."""
-        self._headers[slot] = SlotHeader(key, checksum(self.buffer[slot]) if crc is None else crc)
+        """Seal a slot as holding ``key``; ``crc``: the CRC32 of its bytes, when the slot is
+        to be sent to Redis."""
+        self._headers[slot] = SlotHeader(key, crc)
 
     def header(self, slot: int) -> SlotHeader | None:
         return self._headers[slot]
@@ -174,11 +178,7 @@ class SlotPool:
         header = self._headers[slot]
         if header is None or header.key != key:
             raise ChunkCorrupt(f"slot {slot} does not hold chunk {key}")
-        data = self.buffer[slot]
-        if checksum(data) != header.checksum:
-            self._headers[slot] = None
-            raise ChunkCorrupt(f"checksum mismatch for chunk {key} in slot {slot}")
-        return data
+        return self.buffer[slot]
 
     def slot_holding(self, key: ChunkKey) -> int | None:
         for slot, header in enumerate(self._headers):

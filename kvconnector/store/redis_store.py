@@ -474,6 +474,26 @@ class RedisStore:
         trip, all of it within ``budget_s``. Over budget, in backoff or failed: 0."""
         if not keys:
             return 0
+        n = 0
+        for found in self._exists(keys, budget_s):
+            if not found:
+                break
+            n += 1
+        self._count(lookups=1, lookup_hits=n)
+        return n
+
+    def exists_many(self, keys: Sequence[Any], budget_s: float) -> list[bool]:
+        """Which ``keys`` are stored, like ``exists_prefix`` (one round trip within
+        ``budget_s``; over budget, in backoff or failed: none)."""
+        if not keys:
+            return []
+        found = self._exists(keys, budget_s)
+        self._count(lookups=1, lookup_hits=sum(found))
+        return found
+
+    def _exists(self, keys: Sequence[Any], budget_s: float) -> list[bool]:
+        if not keys:
+            return []
         deadline = time.monotonic() + max(budget_s, 0.0)
         rkeys = [self.redis_key(k) for k in keys]
         found = [False] * len(rkeys)
@@ -487,15 +507,8 @@ class RedisStore:
 
         cmds = [b"*2\r\n$6\r\nEXISTS\r\n" + _bulk(k) for k in rkeys]
         ok = self._call("exists", rkeys, cmds, read, deadline)
-        n = 0
-        if ok:
-            for f in found:
-                if not f:
-                    break
-                n += 1
         self._note_reply_errors(reply_errors)
-        self._count(lookups=1, lookup_hits=n)
-        return n
+        return found if ok else [False] * len(rkeys)
 
     def put_many(self, items: Sequence[tuple[Any, bytes, Any]]) -> int:
         """Store ``(key, header, payload)`` items, header from ``codec.encode_header``.

@@ -33,30 +33,37 @@ def _ids(chunks) -> torch.Tensor:
     return torch.tensor([ids for _, ids in chunks], dtype=torch.int64)
 
 
+# Consecutive slots with consecutive blocks: one run for 3 chunks, then a partial chunk.
+WHOLE = [(1, [0, 1, 2]), (2, [3, 4, 5]), (3, [6, 7, 8]), (4, [9, 10, -1])]
+
+
 def test_runs_merge_consecutive_blocks_and_skip_holes():
     assert block_runs(CHUNKS) == [
         Run(4, 0, 0, 3), Run(1, 0, 7, 1), Run(1, 1, 6, 1), Run(1, 2, 5, 1), Run(0, 0, 3, 1),
         Run(0, 2, 4, 1), Run(3, 0, 8, 2), Run(3, 2, 11, 1)]
+    assert block_runs(WHOLE) == [Run(1, 0, 0, 3, slots=3), Run(4, 0, 9, 2)]
 
 
+@pytest.mark.parametrize("chunks", [CHUNKS, WHOLE], ids=["scattered", "whole"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8], ids=str)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_scatter_equals_reference(family, dtype):
+def test_scatter_equals_reference(family, dtype, chunks):
     want, layout = _setup(family, dtype)
     got, _ = _setup(family, dtype)
     pool = _pool(want, layout)
-    slots = [s for s, _ in CHUNKS]
-    reference.scatter(pool[slots], layout, _ids(CHUNKS), want)
-    PagedCopier(got, layout).scatter(pool, block_runs(CHUNKS))
+    slots = [s for s, _ in chunks]
+    reference.scatter(pool[slots], layout, _ids(chunks), want)
+    PagedCopier(got, layout).scatter(pool, block_runs(chunks))
     for w, g in zip(want, got, strict=True):
         assert torch.equal(w, g)  # written blocks equal, untouched blocks untouched
 
 
+@pytest.mark.parametrize("chunks", [CHUNKS, WHOLE], ids=["scattered", "whole"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_gather_equals_reference(family, dtype):
+def test_gather_equals_reference(family, dtype, chunks):
     layers, layout = _setup(family, dtype)
-    chunks = [c for c in CHUNKS if any(b >= 0 for b in c[1])]
+    chunks = [c for c in chunks if any(b >= 0 for b in c[1])]
     slots = [s for s, _ in chunks]
     want = torch.zeros(len(chunks), len(layers), *layout.chunk_shape(BPC), dtype=dtype)
     reference.gather(layers, layout, _ids(chunks), want)
@@ -81,3 +88,5 @@ def test_out_of_range_blocks_are_refused():
     layers, layout = _setup("cpu-pages", torch.float32)
     with pytest.raises(IndexError):
         PagedCopier(layers, layout).scatter(_pool(layers, layout), [Run(0, 0, 11, 2)])
+    with pytest.raises(IndexError):
+        PagedCopier(layers, layout).scatter(_pool(layers, layout), [Run(4, 0, 0, 1, slots=2)])

@@ -20,17 +20,21 @@ from kvconnector.layout import LayerLayout
 
 @dataclass(frozen=True)
 class Run:
-    """``count`` kernel blocks from ``first`` on in the chunk of ``slot`` <-> blocks
-    ``block`` to ``block + count - 1`` of every layer."""
+    """Kernel blocks ``first .. first + count - 1`` of the chunks in ``slots`` consecutive
+    slots from ``slot`` <-> ``slots * count`` consecutive blocks of every layer from
+    ``block``."""
 
     slot: int
     first: int
     block: int
     count: int
+    slots: int = 1
 
 
 def block_runs(chunks: Iterable[tuple[int, Sequence[int]]]) -> list[Run]:
-    """Runs of ``(slot, kernel block ids of its chunk)``; ids of -1 are skipped."""
+    """Runs of ``(slot, kernel block ids of its chunk)``; ids of -1 are skipped. Chunks in
+    consecutive slots with consecutive blocks (a request stored and loaded whole, in an
+    unfragmented pool and cache) merge into one run."""
     out: list[Run] = []
     for slot, ids in chunks:
         j, n = 0, len(ids)
@@ -42,7 +46,13 @@ def block_runs(chunks: Iterable[tuple[int, Sequence[int]]]) -> list[Run]:
             end = j + 1
             while end < n and ids[end] == b + end - j:
                 end += 1
-            out.append(Run(slot, j, b, end - j))
+            prev = out[-1] if out else None
+            if (prev is not None and prev.first == j and prev.count == end - j
+                    and slot == prev.slot + prev.slots
+                    and b == prev.block + prev.slots * prev.count):
+                out[-1] = Run(prev.slot, j, prev.block, prev.count, prev.slots + 1)
+            else:
+                out.append(Run(slot, j, b, end - j))
             j = end
     return out
 
@@ -79,28 +89,26 @@ class PagedCopier:
         k, _, n, h, d = self.layout.sizes
         paged: list[torch.Tensor] = []
         chunk: list[torch.Tensor] = []
-        if self._stack is not None:
-            layers = len(self.layers)
+        stacks = [self._stack] if self._stack is not None else [v[None] for v in self._views]
+        for li, stack in enumerate(stacks):
+            layers = stack.shape[0]
+            lo = li if self._stack is None else 0
             for r in runs:
-                paged.append(self._stack[:, :, r.block:r.block + r.count])
-                chunk.append(pool[r.slot, :, :, r.first * n:(r.first + r.count) * n]
-                             .view(layers, k, r.count, n, h, d))
-            return paged, chunk
-        for li, view in enumerate(self._views):
-            for r in runs:
-                paged.append(view[:, r.block:r.block + r.count])
-                chunk.append(pool[r.slot, li, :, r.first * n:(r.first + r.count) * n]
-                             .view(k, r.count, n, h, d))
+                m, c = r.slots, r.count
+                paged.append(stack[:, :, r.block:r.block + m * c].view(layers, k, m, c, n, h, d))
+                src = pool[r.slot:r.slot + m, lo:lo + layers, :, r.first * n:(r.first + c) * n]
+                chunk.append(src.view(m, layers, k, c, n, h, d).permute(1, 2, 0, 3, 4, 5, 6))
         return paged, chunk
 
     def _check(self, pool: torch.Tensor, runs: Sequence[Run]) -> None:
         blocks = self.layout.num_blocks
         for r in runs:
-            if not (0 <= r.block and r.block + r.count <= blocks):
-                raise IndexError(f"blocks {r.block}..{r.block + r.count - 1} outside the "
-                                 f"{blocks} kernel blocks of the KV cache")
-            if not 0 <= r.slot < pool.shape[0]:
-                raise IndexError(f"slot {r.slot} outside the pool")
+            last = r.block + r.slots * r.count - 1
+            if not (0 <= r.block and last < blocks):
+                raise IndexError(f"blocks {r.block}..{last} outside the {blocks} kernel "
+                                 "blocks of the KV cache")
+            if not (0 <= r.slot and r.slot + r.slots <= pool.shape[0]):
+                raise IndexError(f"slots {r.slot}..{r.slot + r.slots - 1} outside the pool")
 
     def scatter(self, pool: torch.Tensor, runs: Sequence[Run]) -> None:
         """Chunk bytes -> paged blocks."""

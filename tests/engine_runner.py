@@ -74,10 +74,15 @@ def _foreign(worker, prompt: list[int], chunk: int) -> bool:
     return True
 
 
-def _worker_outstanding(worker) -> dict:
+def _worker_outstanding(worker, drain: bool) -> dict:
+    """What the worker half still holds; ``drain``: once the copies queued so far ran (the
+    last step may have queued the saves of a request that finished in the step before)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return get_kv_transfer_group().worker.outstanding()
+    half = get_kv_transfer_group().worker
+    if drain:
+        half.copies.drain()
+    return half.outstanding()
 
 
 def _stress(llm, step: dict) -> dict:
@@ -334,7 +339,8 @@ def _main(spec_path: str, out_path: str) -> None:
             results.append(_stress(llm, step))
         elif op == "outstanding":
             results.append({"scheduler": _scheduler_outstanding(llm),
-                            "workers": llm.collective_rpc(_worker_outstanding)})
+                            "workers": llm.collective_rpc(
+                                _worker_outstanding, args=(step.get("drain", False),))})
         elif op == "flush":
             results.append(llm.collective_rpc(_flush_redis))
         elif op == "redis_stats":

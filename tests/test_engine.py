@@ -243,7 +243,7 @@ def test_no_state_leaks_after_preemptions_and_aborts(tiny_model, tmp_path_factor
             "prefix_caching": True, "steps": [
                 {"op": "stress", "prompts": prompts, "max_tokens": 160,
                  "abort_after_steps": 6},
-                {"op": "outstanding"}]}
+                {"op": "outstanding", "drain": True}]}
     res = run_engine(tmp_path_factory.mktemp("stress"), {**spec, "connector": MEM})
     stress, outstanding = res
     assert stress["resumed"] > 0, "the workload was meant to preempt requests"

@@ -64,6 +64,7 @@ _SCHEMES = {"redis", "rediss", "unix", *_CLUSTER_SCHEMES}
 _COALESCE = 16 * 1024  # payloads up to this size are copied into the command buffer
 _DIRECT_READ = 16 * 1024  # reads at least this large go straight into the destination
 _READ_BUF = 64 * 1024
+_HEAD_READ = 1024  # a value's reply line, codec prefix and header fit (almost always)
 _IOV_MAX = 512  # buffers per sendmsg call
 _MAX_LINE = 4096
 # A connection idle for longer is polled before reuse, to find one the server closed
@@ -224,6 +225,7 @@ class _Wire:
         self.buf = bytearray(_READ_BUF)
         self.view = memoryview(self.buf)
         self.start = self.end = 0
+        self.fill_limit = _READ_BUF  # bytes one buffered read may take
 
     def _arm(self) -> None:
         if self.deadline is not None:
@@ -271,7 +273,7 @@ class _Wire:
             n = self.end - self.start
             self.buf[:n] = self.view[self.start:self.end]
             self.start, self.end = 0, n
-        self.end += self._recv_into(self.view[self.end:])
+        self.end += self._recv_into(self.view[self.end:self.end + self.fill_limit])
 
     def read_line(self) -> bytes:
         while True:
@@ -653,7 +655,13 @@ class RedisStore:
 
     def _read_value(self, w: _Wire, expected: ExpectedChunk,
                     dst: memoryview | None) -> memoryview | CorruptValue | None:
-        line = w.read_line()
+        # Buffer no more than the reply's line and header: a large payload is then read
+        # straight into its destination, not through the buffer (one copy less).
+        w.fill_limit = _HEAD_READ
+        try:
+            line = w.read_line()
+        finally:
+            w.fill_limit = _READ_BUF
         if line[:1] == b"-":
             raise _ReplyError(line[1:].decode(errors="replace"))
         if line[:1] != b"$":

@@ -165,19 +165,24 @@ def bench(args) -> None:
 def report(args, model: str, lengths: list[int], runs: dict, refused: dict) -> None:
     floor = runs[FLOOR]["ttft"]
     truth = runs["recompute"]["tokens"]
+    floor_tokens = runs[FLOOR]["tokens"]
     names = list(runs)
     table = {name: {n: {"ttft_s": r["ttft"][n], "vs_floor": r["ttft"][n] / floor[n],
                         "cached_tokens": r["cached"][n],
-                        "same_tokens": r["tokens"][n] == truth[n]} for n in lengths}
+                        "same_tokens": r["tokens"][n] == truth[n],
+                        "same_tokens_as_floor": r["tokens"][n] == floor_tokens[n]}
+                    for n in lengths}
              for name, r in runs.items()}
     print(f"\nhit TTFT (s) and ratio to vLLM's own prefix-cache hit; model {model} "
           f"({args.dtype}), median of {args.repeats}")
     print(f"{'tokens':>7} " + " ".join(f"{k:>24}" for k in names))
     for n in lengths:
         cells = [f"{table[k][n]['ttft_s']:.4f} ({table[k][n]['vs_floor']:.2f}x)"
-                 + ("" if table[k][n]["same_tokens"] else " !") for k in names]
+                 + ("" if table[k][n]["same_tokens"] else " !")
+                 + ("" if table[k][n]["same_tokens_as_floor"] else " ~") for k in names]
         print(f"{n:>7} " + " ".join(f"{c:>24}" for c in cells))
-    print("'!': greedy tokens differ from recompute")
+    print("'!': greedy tokens differ from recompute; '~': from vLLM's own prefix-cache hit "
+          "(which computes the same last block)")
     for name, why in refused.items():
         print(f"{name}: {why}")
     out = write_results(args.out, "peers", {"model": model, "dtype": args.dtype,

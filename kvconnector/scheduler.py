@@ -404,6 +404,7 @@ class SchedulerHalf:
             elif not st.skip_reason:
                 st.skip_reason = "computed before a cache reset"
         self._lookup_start.clear()
+        self._partial_of.clear()
         logger.info("kvconnector: cache reset, %d stored chunks forgotten", forgotten)
 
     def shutdown(self) -> None:

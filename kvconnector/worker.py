@@ -21,7 +21,7 @@ from kvconnector.layout import LayerLayout, LayoutError, describe_layers
 from kvconnector.metadata import ChunkTransfer, StepPlan, WorkerReport
 from kvconnector.stats import TransferStats
 from kvconnector.store import ChunkCorrupt, SlotPool, open_redis
-from kvconnector.store.memory import checksum, host_memory
+from kvconnector.store.memory import host_memory
 from kvconnector.store.tiering import RedisTier
 
 if TYPE_CHECKING:
@@ -74,8 +74,9 @@ class WorkerHalf:
                               f"{self.spec.block_size}")
         self._ratio = self.spec.block_size // kbs
         shape = (len(self.layers), *self.layout.chunk_shape(self.config.chunk_size // kbs))
-        self.pool = SlotPool(self.num_slots, shape, self.layout.dtype)
         redis = open_redis(self.config)
+        self.pool = SlotPool(self.num_slots, shape, self.layout.dtype,
+                             checksums=redis is not None)
         if redis is not None:
             self.redis_tier = RedisTier(redis, self.pool, self.layout.family)
         if self.layers[0].is_cuda:
@@ -228,8 +229,7 @@ class WorkerHalf:
             if copied is not None:
                 copied.synchronize()
             key = self._key(t)
-            crc = checksum(self.pool.slot(t.slot)) if self.redis_tier is not None else None
-            self.pool.end_write(t.slot, key, crc)
+            self.pool.end_write(t.slot, key)
             if self.redis_tier is not None:
                 self.redis_tier.offload(t.slot, key)
         except Exception:

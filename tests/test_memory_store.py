@@ -108,6 +108,12 @@ def test_memory_reads_check_the_key_not_the_bytes():
     pool.end_write(0, _key(1))
     assert pool.header(0).checksum is None
     assert torch.equal(pool.read(0, _key(1)), torch.arange(64.0))
+    bound_for_redis = SlotPool(1, (64,), torch.float32, checksums=True)
+    bound_for_redis.begin_write(0).copy_(torch.arange(64.0))
+    bound_for_redis.end_write(0, _key(1))
+    assert bound_for_redis.header(0).checksum == crc
+    bound_for_redis.end_write(0, _key(1), for_redis=False)  # fetched from Redis
+    assert bound_for_redis.header(0).checksum is None
 
 
 def test_interrupted_write_is_never_readable():

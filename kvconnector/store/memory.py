@@ -131,8 +131,10 @@ class SlotPool:
     carries the CRC32 of its bytes, taken when it was sealed, for the value's header.
     """
 
-    def __init__(self, num_slots: int, chunk_shape: Sequence[int], dtype: torch.dtype) -> None:
+    def __init__(self, num_slots: int, chunk_shape: Sequence[int], dtype: torch.dtype,
+                 checksums: bool = False) -> None:
         pin = torch.cuda.is_available()
+        self.checksums = checksums  # slots are sent to Redis: seal them with their CRC32
         self.chunk_shape = tuple(chunk_shape)
         self.buffer = torch.empty((num_slots, *self.chunk_shape), dtype=dtype, pin_memory=pin)
         # Touch every page now: the capacity is really held from start-up, and the first
@@ -164,9 +166,13 @@ class SlotPool:
         self._headers[slot] = None
         return self.buffer[slot]
 
-    def end_write(self, slot: int, key: ChunkKey, crc: int | None = None) -> None:
-        """Seal a slot as holding ``key``; ``crc``: the CRC32 of its bytes, when the slot is
-        to be sent to Redis."""
+    def end_write(self, slot: int, key: ChunkKey, crc: int | None = None, *,
+                  for_redis: bool = True) -> None:
+        """Seal a slot as holding ``key``. A pool with ``checksums`` takes the CRC32 of the
+        bytes now (or uses ``crc``), for the Redis header; ``for_redis=False``: the slot is
+        not to be sent (it came from Redis), so no CRC."""
+        if crc is None and self.checksums and for_redis:
+            crc = checksum(self.buffer[slot])
         self._headers[slot] = SlotHeader(key, crc)
 
     def header(self, slot: int) -> SlotHeader | None:

@@ -50,7 +50,7 @@ class RedisTier:
         n = 0
         for (slot, key), payload in zip(wanted, got, strict=True):
             if payload is not None:  # checked by the codec (CRC32 or MAC) before this
-                self.pool.end_write(slot, key)  # no CRC: Redis already holds it
+                self.pool.end_write(slot, key, for_redis=False)  # Redis holds it
                 n += 1
         return n
 

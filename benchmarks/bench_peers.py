@@ -202,10 +202,13 @@ def plot(path, model: str, lengths: list[int], table: dict) -> None:
         print("matplotlib not installed: no plot")
         return
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, per_len in table.items():
-        ax.plot(lengths, [per_len[n]["ttft_s"] for n in lengths], marker="o", label=name)
+    for i, (name, per_len) in enumerate(table.items()):
+        color = f"C{i}"  # the same colour for a configuration in both panels
+        ax.plot(lengths, [per_len[n]["ttft_s"] for n in lengths], marker="o", label=name,
+                color=color)
         if name != "recompute":
-            bx.plot(lengths, [per_len[n]["vs_floor"] for n in lengths], marker="o", label=name)
+            bx.plot(lengths, [per_len[n]["vs_floor"] for n in lengths], marker="o",
+                    label=name, color=color)
     for a in (ax, bx):
         a.set_xscale("log", base=2)
         a.set_xlabel("prompt tokens")

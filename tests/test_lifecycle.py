@@ -114,6 +114,40 @@ def test_blocks_handed_out_again_wait_for_their_queued_saves(tiny_model, tmp_pat
     assert res[5][0]["tokens"] == new_weights["P1"]
 
 
+def test_saves_planned_at_finish_read_the_blocks_before_they_are_reused(tiny_model,
+                                                                        tmp_path_factory):
+    """A finished request's last blocks are saved in the next step, after vLLM took them
+    back. Here that save waits behind the closed copy gate while the next prompt reuses the
+    blocks (a KV cache of 9 blocks): the step must wait for it, and the chunk it stored
+    must be the finished request's, which the next turn of its chat then reloads."""
+    first = prompt(3, 600)  # 4 full blocks: no partial chunk at the end of the prompt
+    answer_tokens = 60  # 659 tokens computed: 5 full blocks, the 5th stored at the finish
+    spec = {"model": tiny_model, "kv_cache_bytes": 9 << 17, "max_model_len": 1024}
+    res = run_engine(tmp_path_factory.mktemp("finish-fence"), {**spec, "connector": MEM,
+                                                                "steps": [
+        {"op": "generate", "prompts": [first], "max_tokens": answer_tokens},  # 0
+        {"op": "copy_gate", "close": True},  # 1: the finish save will queue behind it
+        {"op": "copy_gate", "close": False, "after_s": 1.5},  # 2
+        {"op": "generate", "prompts": [P1], "timed": True},  # 3: reuses first's blocks
+        {"op": "totals"}]}, timeout=TIMEOUT)  # 4
+    turn2 = first + res[0][0]["tokens"] + prompt(5, 40)
+    res += run_engine(tmp_path_factory.mktemp("finish-fence-turn2"), {
+        **spec, "connector": MEM, "steps": [
+            {"op": "generate", "prompts": [first], "max_tokens": answer_tokens},  # 5
+            {"op": "generate", "prompts": [P1]},  # 6: reuses the blocks
+            {"op": "generate", "prompts": [turn2]},  # 7: loads the chunk saved at finish
+            {"op": "totals"}]}, timeout=TIMEOUT)  # 8
+    base = run_engine(tmp_path_factory.mktemp("finish-fence-base"), {
+        **spec, "connector": None, "steps": [{"op": "generate", "prompts": [turn2]}]},
+        timeout=TIMEOUT)
+    assert res[3][0]["seconds"] >= 1.0, "the step reusing the blocks did not wait"
+    assert res[4]["saved_chunks"] >= 3  # first's chunks 0 and 1, and its 5th block
+    hit = res[7][0]
+    assert hit["cached"] == (len(first) + answer_tokens - 1) // 128 * 128 == 640
+    assert hit["tokens"] == base[0][0]["tokens"]
+    assert res[8]["load_errors"] == 0
+
+
 def test_reset_in_multiprocess_mode(tiny_model, tmp_path_factory, new_weights):
     """vLLM's default mode: the reset reaches the scheduler's connector in the engine-core
     process, and the workers (another process) follow the keys it plans."""

@@ -14,6 +14,9 @@ Every configuration runs in its own fresh process, on the same prompts, one afte
 * ``kvconnector redis``: a second engine, with an empty memory tier, loads what a first
   engine wrote to a local redis-server.
 
+Every engine prefills a prompt in one step (``max_num_batched_tokens`` = the longest
+prompt): ExampleConnector keeps only the last step of a prompt prefilled in several steps
+and then fails to load it (a shape mismatch that stops the engine, seen at 8192 tokens).
 vLLM's own prefix cache is off for every connector, so each hit is the connector's. TTFT is
 the latency of a one-token generation of one request; per length the median over
 ``--repeats`` distinct prompts. After the timed hit, each prompt is generated once more (a
@@ -60,7 +63,8 @@ def run_config(model: str, args, kvt: dict | None, prompts: dict[int, list[list[
     ttft: dict[int, float] = {}
     cached: dict[int, list[int]] = {}
     tokens: dict[int, list[list[int]]] = {}
-    with engine(model, args, kvt, max_len, enable_prefix_caching=prefix_caching) as llm:
+    with engine(model, args, kvt, max_len, enable_prefix_caching=prefix_caching,
+                max_num_batched_tokens=max_len) as llm:
         timed_generate(llm, [random_prompt(random.Random(9), 300, 400)], 1)
         for n, group in prompts.items():
             times, cached[n], tokens[n] = [], [], []
@@ -81,7 +85,9 @@ def fill_redis(model: str, args, kvt: dict, prompts: dict[int, list[list[int]]],
     """A first engine stores every prompt; returns once Redis holds all their chunks."""
     import redis
 
-    with engine(model, args, kvt, max(prompts) + 64, enable_prefix_caching=False) as llm:
+    max_len = max(prompts) + 64
+    with engine(model, args, kvt, max_len, enable_prefix_caching=False,
+                max_num_batched_tokens=max_len) as llm:
         for group in prompts.values():
             for p in group:
                 timed_generate(llm, [p], 1)
@@ -115,7 +121,8 @@ def main() -> None:
     add_model_args(p)
     p.set_defaults(dtype="bfloat16", redis=True)
     p.add_argument("--no-redis", dest="redis", action="store_false")
-    p.add_argument("--lengths", default="1024,2048,4096,8192,16384")
+    # 16000, not 16384: the tiny model's 16384 positions must also hold the checked tokens.
+    p.add_argument("--lengths", default="1024,2048,4096,8192,16000")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--check-tokens", type=int, default=16)
     with redis_for(p.parse_args()) as args:
@@ -158,19 +165,24 @@ def bench(args) -> None:
 def report(args, model: str, lengths: list[int], runs: dict, refused: dict) -> None:
     floor = runs[FLOOR]["ttft"]
     truth = runs["recompute"]["tokens"]
+    floor_tokens = runs[FLOOR]["tokens"]
     names = list(runs)
     table = {name: {n: {"ttft_s": r["ttft"][n], "vs_floor": r["ttft"][n] / floor[n],
                         "cached_tokens": r["cached"][n],
-                        "same_tokens": r["tokens"][n] == truth[n]} for n in lengths}
+                        "same_tokens": r["tokens"][n] == truth[n],
+                        "same_tokens_as_floor": r["tokens"][n] == floor_tokens[n]}
+                    for n in lengths}
              for name, r in runs.items()}
     print(f"\nhit TTFT (s) and ratio to vLLM's own prefix-cache hit; model {model} "
           f"({args.dtype}), median of {args.repeats}")
     print(f"{'tokens':>7} " + " ".join(f"{k:>24}" for k in names))
     for n in lengths:
         cells = [f"{table[k][n]['ttft_s']:.4f} ({table[k][n]['vs_floor']:.2f}x)"
-                 + ("" if table[k][n]["same_tokens"] else " !") for k in names]
+                 + ("" if table[k][n]["same_tokens"] else " !")
+                 + ("" if table[k][n]["same_tokens_as_floor"] else " ~") for k in names]
         print(f"{n:>7} " + " ".join(f"{c:>24}" for c in cells))
-    print("'!': greedy tokens differ from recompute")
+    print("'!': greedy tokens differ from recompute; '~': from vLLM's own prefix-cache hit "
+          "(which computes the same last block)")
     for name, why in refused.items():
         print(f"{name}: {why}")
     out = write_results(args.out, "peers", {"model": model, "dtype": args.dtype,
@@ -190,10 +202,13 @@ def plot(path, model: str, lengths: list[int], table: dict) -> None:
         print("matplotlib not installed: no plot")
         return
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, per_len in table.items():
-        ax.plot(lengths, [per_len[n]["ttft_s"] for n in lengths], marker="o", label=name)
+    for i, (name, per_len) in enumerate(table.items()):
+        color = f"C{i}"  # the same colour for a configuration in both panels
+        ax.plot(lengths, [per_len[n]["ttft_s"] for n in lengths], marker="o", label=name,
+                color=color)
         if name != "recompute":
-            bx.plot(lengths, [per_len[n]["vs_floor"] for n in lengths], marker="o", label=name)
+            bx.plot(lengths, [per_len[n]["vs_floor"] for n in lengths], marker="o",
+                    label=name, color=color)
     for a in (ax, bx):
         a.set_xscale("log", base=2)
         a.set_xlabel("prompt tokens")

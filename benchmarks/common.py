@@ -8,11 +8,19 @@ import multiprocessing
 import os
 import platform
 import random
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# This checkout's kvconnector, in this process and in every engine process it starts, even
+# where the environment has another checkout installed in editable mode.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 # vLLM's CPU backend reserves one more core for any engine with a kv_transfer_config; on a
 # small machine that reservation exceeds the cores and is dropped, so the engine with a

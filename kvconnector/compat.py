@@ -204,6 +204,19 @@ def uncacheable_reason(request: Request) -> str | None:
     return None
 
 
+def kv_complete_tokens(request: Request) -> int:
+    """Leading tokens of a finished request whose KV its blocks hold: 0 unless it finished
+    with output (an abort can come while its KV is still being loaded or computed)."""
+    from vllm.v1.request import RequestStatus
+
+    normal = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED,
+              getattr(RequestStatus, "FINISHED_REPETITION", RequestStatus.FINISHED_STOPPED)}
+    if request.status not in normal or request.num_output_tokens == 0:
+        return 0
+    # Tokens of a step still in flight (async scheduling) are counted but not computed yet.
+    return max(0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0))
+
+
 def request_block_ids(scheduler_output: SchedulerOutput, req_id: str) -> list[int] | None:
     """Scheduler block ids of a request scheduled in this step (the one attention group)."""
     state = scheduler_output.kv_connector_block_state

@@ -115,7 +115,7 @@ class KVConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         plan = self._plan()
         if plan.saves:
-            self.worker.save(plan)
+            self.worker.save(plan.saves)
         if plan.doc_saves:
             self.worker.blend.save_docs(plan)
 
@@ -179,7 +179,10 @@ class KVConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request)
+        return self.scheduler.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_saves()
 
     def reset_cache(self) -> bool:
         self.scheduler.reset()

@@ -7,14 +7,15 @@ same keys with no seed (Python's ``hash()`` would need a shared PYTHONHASHSEED).
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import msgpack
-import numpy as np
 
 FORMAT_VERSION = 1
 HASH_BYTES = 16
+PARTIAL_PERSON = b"kvc-partial"
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,18 @@ class ChunkKey:
         return f"{self.fingerprint.hex()}:{self.tp_rank}:{self.chunk_hash.hex()}"
 
 
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int64 (struct: several times faster than numpy from a
+    Python list, which is what vLLM's requests hold)."""
+    return struct.pack(f"<{len(token_ids)}q", *token_ids)
+
+
 def chunk_hashes(token_ids: Sequence[int], chunk_size: int, seed: bytes) -> list[bytes]:
     """Chained hashes of each full chunk of ``token_ids``; chunk i depends on chunks 0..i."""
     n_full = len(token_ids) // chunk_size
     if n_full == 0:
         return []
-    tokens = np.asarray(token_ids[: n_full * chunk_size], dtype="<i8").tobytes()
+    tokens = token_bytes(token_ids[: n_full * chunk_size])
     width = chunk_size * 8
     out: list[bytes] = []
     prev = seed
@@ -67,6 +74,15 @@ def chunk_hashes(token_ids: Sequence[int], chunk_size: int, seed: bytes) -> list
         prev = h.digest()
         out.append(prev)
     return out
+
+
+def partial_chunk_hash(prev: bytes, token_ids: Sequence[int]) -> bytes:
+    """The key of a chunk's first blocks only (the trailing part of a prompt or answer that
+    does not fill a chunk): chained from the previous full chunk's hash like a full chunk,
+    but personalised, so it never equals a full chunk's hash, whatever its tokens."""
+    h = hashlib.blake2b(prev, digest_size=HASH_BYTES, person=PARTIAL_PERSON)
+    h.update(token_bytes(token_ids))
+    return h.digest()
 
 
 def request_seed(fingerprint: bytes, cache_salt: str | None) -> bytes:

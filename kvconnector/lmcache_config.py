@@ -119,8 +119,9 @@ RULES: dict[str, Rule] = {
                          "uncompressed; remove remote_serde (or set it to naive)"),
     "use_layerwise": Rule(False, refusal="kvconnector moves all layers of a chunk at once; "
                           "remove use_layerwise"),
-    "save_unfull_chunk": Rule(False, refusal="kvconnector stores full chunks only (the "
-                              "last partial chunk is recomputed); remove save_unfull_chunk"),
+    # kvconnector always stores the full blocks after the last full chunk: either value
+    # is served at least as well as LMCache would.
+    "save_unfull_chunk": Rule(False, also_ok=(True,)),
     "cache_policy": Rule("LRU", refusal="kvconnector's memory tier evicts the least recently "
                          "used chunk (Redis evicts by its maxmemory-policy); remove it"),
     "pre_caching_hash_algorithm": Rule(

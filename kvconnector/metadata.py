@@ -36,6 +36,9 @@ class StepPlan(KVConnectorMetadata):
     WAITING_FOR_REMOTE_KVS) and ``saves`` run on the workers' copy thread. ``fence`` are
     requests (finished or preempted) whose queued saves read blocks vLLM hands out again
     in this step: the workers finish those copies before the step writes any KV.
+    ``finished_saves`` are the last blocks of requests that finished since the last plan:
+    vLLM already took their blocks back, so they are queued before this step writes any KV
+    (and fenced like every other save).
     ``blends`` and ``doc_saves`` are CacheBlend's (kvconnector/blend/plan.py).
     """
 
@@ -43,6 +46,7 @@ class StepPlan(KVConnectorMetadata):
     async_loads: list[ChunkTransfer] = field(default_factory=list)
     saves: list[ChunkTransfer] = field(default_factory=list)
     fence: set[str] = field(default_factory=set)
+    finished_saves: list[ChunkTransfer] = field(default_factory=list)
     blends: list[BlendJob] = field(default_factory=list)
     doc_saves: list[DocSave] = field(default_factory=list)
 

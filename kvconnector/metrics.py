@@ -53,7 +53,7 @@ COUNTERS = (
     Family("saved_bytes", "Bytes copied out of vLLM's KV cache into the memory tier."),
     Family("load_errors", "Chunk loads that failed and were recomputed, by reason: missing "
            "(no slot), not_in_slot (never arrived, e.g. a Redis miss or a failed save), "
-           "checksum, error.", "reason"),
+           "error.", "reason"),
     Family("save_errors", "Chunk saves that failed (the chunk is a later miss)."),
     Family("corrupt_values", "Redis values that failed a codec check and were deleted, by "
            "reason (checksum, mac, key, truncated, ...).", "reason"),
@@ -69,10 +69,10 @@ COUNTERS = (
     Family("redis_dropped_puts", "Chunks not sent to Redis because the put queue was full."),
 )
 HISTOGRAMS = (
-    Family("chunk_load_seconds", "Time to check one chunk in the memory tier and copy it into "
-           "vLLM's KV cache."),
+    Family("load_batch_seconds", "Time to check a batch of chunks in the memory tier (one step's "
+           "synchronous loads, or one parked request's) and copy them into vLLM's KV cache."),
     Family("chunk_save_seconds", "Time to copy one chunk out of vLLM's KV cache into the memory "
-           "tier and seal it (checksum)."),
+           "tier and seal it (with a checksum when it goes on to Redis)."),
     Family("redis_fetch_seconds", "Time to fetch one request's chunks from Redis (one "
            "pipeline) into memory slots."),
 )

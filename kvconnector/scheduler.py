@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING, Any
 from kvconnector import compat
 from kvconnector.blend.scheduler import BlendScheduler
 from kvconnector.config import ConnectorConfig
-from kvconnector.keys import ChunkKey, chunk_hashes, request_seed, reset_seed
+from kvconnector.keys import (
+    ChunkKey,
+    chunk_hashes,
+    partial_chunk_hash,
+    request_seed,
+    reset_seed,
+)
 from kvconnector.metadata import ChunkTransfer, StepPlan, WorkerReport
 from kvconnector.metrics import StoreTap, hit_tokens_by_tier
 from kvconnector.stats import TransferStats
@@ -40,9 +46,22 @@ class RequestState:
     # Chunks from this index on are never loaded for this request: a load of that chunk
     # failed once, and vLLM asks again after it recomputes from the failure.
     load_limit: int | None = None
-    # The last Redis question, (first chunk asked, chunks asked), and its pending answer.
-    redis_question: tuple[int, int] | None = None
-    redis_answer: Future[int] | None = None
+    # The last Redis question, (first chunk asked, chunks asked, partial blocks asked), and
+    # its pending answer: (full chunks found, blocks of the partial chunk found).
+    redis_question: tuple[int, int, int] | None = None
+    redis_answer: Future[tuple[int, int]] | None = None
+    partial_hashes: dict[tuple[int, int], bytes] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """What the store holds of a request: ``full`` leading chunks, then the first
+    ``partial_blocks`` blocks of the next chunk (key ``partial_hash``)."""
+
+    full: int
+    partial_blocks: int = 0
+    partial_hash: bytes | None = None
+    from_memory: int = 0  # leading tokens of the hit held in memory
 
 
 class SchedulerHalf:
@@ -69,6 +88,8 @@ class SchedulerHalf:
         self._hit_split: dict[str, tuple[int, int]] = {}  # req -> (memory, Redis) tokens
         self._loads: list[ChunkTransfer] = []
         self._async_loads: list[ChunkTransfer] = []
+        self._finished_saves: list[ChunkTransfer] = []  # planned at request_finished
+        self._partial_of: dict[str, tuple[int, bytes]] = {}  # req -> (chunk, key) of its hit
         # Block id -> the request whose latest planned save reads it. When vLLM hands such
         # a block out again, the plan makes the workers finish that request's copies first.
         self._readers: dict[int, str] = {}
@@ -99,6 +120,59 @@ class SchedulerHalf:
             st.hashes.extend(chunk_hashes(tokens, c, st.hashes[-1] if have else st.seed))
         return st.hashes[:want]
 
+    def _partial_hash(self, st: RequestState, chunk: int, blocks: int) -> bytes:
+        """Key of the first ``blocks`` blocks of chunk ``chunk`` of the request's tokens."""
+        key = (chunk, blocks)
+        h = st.partial_hashes.get(key)
+        if h is None:
+            c, bs = self.config.chunk_size, self.block_size
+            prev = self._hashes(st, chunk * c)[chunk - 1] if chunk else st.seed
+            tokens = st.request.all_token_ids[chunk * c:chunk * c + blocks * bs]
+            h = partial_chunk_hash(prev, tokens)
+            st.partial_hashes[key] = h
+        return h
+
+    def _partial_blocks(self, chunk: int, cap: int) -> int:
+        """Most blocks a partial chunk at index ``chunk`` can give within ``cap`` tokens."""
+        return max(0, min(self.blocks_per_chunk - 1,
+                          (cap - chunk * self.config.chunk_size) // self.block_size))
+
+    def _memory_partial(self, st: RequestState, chunk: int, cap: int) -> tuple[int, bytes | None]:
+        """The longest partial chunk at index ``chunk`` held in memory (blocks, key)."""
+        if st.load_limit is not None and chunk >= st.load_limit:
+            return 0, None
+        for k in range(self._partial_blocks(chunk, cap), 0, -1):
+            h = self._partial_hash(st, chunk, k)
+            if h in self.index:
+                return k, h
+        return 0, None
+
+    def _lookup(self, st: RequestState, cap: int) -> Hit | None:
+        """The request's hit: full chunks from memory then Redis, then a partial chunk. A
+        partial chunk is asked of Redis only with full chunks that memory lacked: a request
+        whose full chunks are all in memory never waits on the network for a few blocks.
+        None while Redis is asked."""
+        hashes = self._hashes(st, st.request.num_tokens)[:st.load_limit]
+        n = len(hashes)
+        in_memory = self.index.count_prefix(hashes)
+        c, bs = self.config.chunk_size, self.block_size
+        full, k, ph = in_memory, 0, None
+        if self.redis is not None and in_memory < n:
+            answer = self._redis_prefix(st, hashes, in_memory, cap)
+            if answer is None:
+                return None
+            full += answer[0]
+            if full == n and answer[1]:
+                k = answer[1]
+                ph = self._partial_hash(st, n, k)
+        mk, mh = self._memory_partial(st, full, cap)
+        if mk >= k and mh is not None:
+            k, ph = mk, mh
+        from_memory = in_memory * c
+        if full == in_memory and ph is not None and ph in self.index:
+            from_memory += k * bs
+        return Hit(full, k, ph, from_memory)
+
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens the store holds beyond vLLM's own hit. Memory hits load synchronously;
@@ -111,40 +185,66 @@ class SchedulerHalf:
             blended = self.blend.match(st, num_computed_tokens)
             if blended is not None:
                 return blended
-        hashes = self._hashes(st, request.num_tokens)[:st.load_limit]
-        in_memory = stored = self.index.count_prefix(hashes)
-        if self.redis is not None and stored < len(hashes):
-            in_redis = self._redis_prefix(st, hashes, stored)
-            if in_redis is None:
-                return None, False
-            stored += in_redis
         # A load must leave at least one token for the forward pass.
-        last_full_block = (request.num_tokens - 1) // self.block_size * self.block_size
-        hit = min(stored * self.config.chunk_size, last_full_block)
+        cap = (request.num_tokens - 1) // self.block_size * self.block_size
+        found = self._lookup(st, cap)
+        if found is None:
+            return None, False
+        c = self.config.chunk_size
+        hit = min(found.full * c + found.partial_blocks * self.block_size, cap)
         if hit <= num_computed_tokens:
             return 0, False
-        load_async = hit > in_memory * self.config.chunk_size
+        load_async = hit > found.from_memory
         self._lookup_start[request.request_id] = (num_computed_tokens, load_async)
+        if found.partial_hash is not None:
+            self._partial_of[request.request_id] = (found.full, found.partial_hash)
+        else:
+            self._partial_of.pop(request.request_id, None)
         return hit - num_computed_tokens, load_async
 
-    def _redis_prefix(self, st: RequestState, hashes: list[bytes], start: int) -> int | None:
-        """Chunks after ``start`` that every TP rank holds in Redis, or None while the
-        lookup thread is still asking. One round trip per request and question."""
+    def _redis_prefix(self, st: RequestState, hashes: list[bytes], start: int,
+                      cap: int) -> tuple[int, int] | None:
+        """(full chunks after ``start`` that every TP rank holds in Redis, blocks of the
+        longest partial chunk after all of them), or None while the lookup thread is
+        still asking. One round trip per request and question."""
         assert self.redis is not None and self._lookups is not None
-        question = (start, len(hashes))
+        n = len(hashes)
+        max_k = 0
+        if st.load_limit is None or n < st.load_limit:
+            max_k = self._partial_blocks(n, cap)
+        question = (start, n, max_k)
         if st.redis_answer is None or st.redis_question != question:
-            keys = [ChunkKey(self.fingerprint, rank, h)
-                    for h in hashes[start:] for rank in range(self.tp_size)]
+            ranks = range(self.tp_size)
+            full = [ChunkKey(self.fingerprint, r, h) for h in hashes[start:] for r in ranks]
+            partial = [ChunkKey(self.fingerprint, r, self._partial_hash(st, n, k))
+                       for k in range(max_k, 0, -1) for r in ranks]
             st.redis_question = question
-            st.redis_answer = self._lookups.submit(
-                self.redis.exists_prefix, keys, self.config.redis_lookup_budget_ms / 1000)
+            st.redis_answer = self._lookups.submit(self._ask_redis, full, partial, max_k)
         if not st.redis_answer.done():
             return None
         try:
-            return st.redis_answer.result() // self.tp_size
+            return st.redis_answer.result()
         except Exception:  # the store counts its own faults; a failed lookup is a miss
             logger.debug("kvconnector: Redis lookup failed", exc_info=True)
-            return 0
+            return 0, 0
+
+    def _ask_redis(self, full: list[ChunkKey], partial: list[ChunkKey],
+                   max_k: int) -> tuple[int, int]:
+        """On the lookup thread: one EXISTS pipeline for both kinds of keys."""
+        assert self.redis is not None
+        found = self.redis.exists_many(full + partial, self.config.redis_lookup_budget_ms / 1000)
+        tp = self.tp_size
+        per_chunk = [all(found[i:i + tp]) for i in range(0, len(found), tp)]
+        n_full = len(full) // tp
+        chunks = 0
+        while chunks < n_full and per_chunk[chunks]:
+            chunks += 1
+        if chunks < n_full:
+            return chunks, 0
+        for i, ok in enumerate(per_chunk[n_full:]):
+            if ok:
+                return chunks, max_k - i
+        return chunks, 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -152,6 +252,7 @@ class SchedulerHalf:
                                                              num_external_tokens):
             return
         lookup = self._lookup_start.pop(request.request_id, None)
+        partial = self._partial_of.pop(request.request_id, None)
         if num_external_tokens == 0 or lookup is None:
             return
         start, load_async = lookup
@@ -162,7 +263,7 @@ class SchedulerHalf:
         planned = self._async_loads if load_async else self._loads
         redis_tokens = 0
         for ci in range(start // c, -(-end // c)):
-            h = st.hashes[ci]
+            h = partial[1] if partial is not None and ci == partial[0] else st.hashes[ci]
             from_redis = h not in self.index
             if from_redis and not load_async:
                 slot = MISSING_SLOT  # evicted since the lookup: reported and recomputed
@@ -174,10 +275,9 @@ class SchedulerHalf:
                     self.index.use(h)
             else:
                 slot = self.index.use(h)
-            ids = []
-            for j in range(self.blocks_per_chunk):
-                tok = ci * c + j * bs
-                ids.append(block_ids[tok // bs] if start <= tok < end else -1)
+            first = ci * c // bs
+            ids = [block_ids[first + j] if start <= (first + j) * bs < end else -1
+                   for j in range(self.blocks_per_chunk)]
             planned.append(ChunkTransfer(request.request_id, ci, h, slot, ids, from_redis))
             if from_redis:
                 redis_tokens += min(end, (ci + 1) * c) - max(start, ci * c)
@@ -193,8 +293,9 @@ class SchedulerHalf:
     def build_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
         fence = {self._readers.pop(b) for b in compat.blocks_handed_out(scheduler_output)
                  if b in self._readers}
-        plan = StepPlan(loads=self._loads, async_loads=self._async_loads, fence=fence)
-        self._loads, self._async_loads = [], []
+        plan = StepPlan(loads=self._loads, async_loads=self._async_loads, fence=fence,
+                        finished_saves=self._finished_saves)
+        self._loads, self._async_loads, self._finished_saves = [], [], []
         if self.blend is not None:
             self.blend.build(plan, scheduler_output)
             for save in plan.doc_saves:  # blocks handed out again wait for the document save
@@ -210,29 +311,60 @@ class SchedulerHalf:
             if not self.config.save_decode_chunks:
                 done_after_step = min(done_after_step, req.num_prompt_tokens)
             n_full = done_after_step // c
-            if n_full <= st.stored:
+            prompt_done = req.num_computed_tokens < req.num_prompt_tokens <= done_after_step
+            if n_full <= st.stored and not prompt_done:
                 continue
             block_ids = compat.request_block_ids(scheduler_output, req_id)
             if block_ids is None:
                 continue
-            hashes = self._hashes(st, n_full * c)
-            for ci in range(st.stored, n_full):
-                h = hashes[ci]
-                if h in self.index:
-                    self.index.touch(h)
-                    continue
-                slot = self.index.allocate(h)
-                if slot is None:
-                    break
-                blocks = block_ids[ci * self.blocks_per_chunk:(ci + 1) * self.blocks_per_chunk]
-                plan.saves.append(ChunkTransfer(req_id, ci, h, slot, list(blocks)))
-                self._readers.update((b, req_id) for b in blocks if b >= 0)
-            st.stored = n_full
+            if n_full > st.stored:
+                self._plan_full_saves(st, req_id, n_full, block_ids, plan.saves)
+            if prompt_done:  # the prompt's last blocks, for a repeat of the same prompt
+                self._plan_partial_save(st, req_id, done_after_step, block_ids, plan.saves)
         self.stats.add(**hit_tokens_by_tier(plan.loads + plan.async_loads, self.block_size))
         self.index.unpin_all()
         if self.blend is not None:
             self.blend.after_unpin()
         return plan
+
+    def _plan_full_saves(self, st: RequestState, req_id: str, n_full: int,
+                         block_ids: list[int], out: list[ChunkTransfer]) -> None:
+        hashes = self._hashes(st, n_full * self.config.chunk_size)
+        bpc = self.blocks_per_chunk
+        for ci in range(st.stored, n_full):
+            h = hashes[ci]
+            if h in self.index:
+                self.index.touch(h)
+                continue
+            slot = self.index.allocate(h)
+            if slot is None:
+                break
+            blocks = block_ids[ci * bpc:(ci + 1) * bpc]
+            out.append(ChunkTransfer(req_id, ci, h, slot, list(blocks)))
+            self._readers.update((b, req_id) for b in blocks if b >= 0)
+        st.stored = n_full
+
+    def _plan_partial_save(self, st: RequestState, req_id: str, done: int,
+                           block_ids: list[int], out: list[ChunkTransfer]) -> None:
+        """Save the full blocks of the chunk after the last full one of the first ``done``
+        tokens (whose KV is complete), if the chunks before it are stored."""
+        c, bpc = self.config.chunk_size, self.blocks_per_chunk
+        chunk = done // c
+        k = done // self.block_size - chunk * bpc
+        if k <= 0 or len(block_ids) < chunk * bpc + k:
+            return
+        if self.index.count_prefix(self._hashes(st, chunk * c)) < chunk:
+            return  # unreachable without the chunks before it
+        h = self._partial_hash(st, chunk, k)
+        if h in self.index:
+            self.index.touch(h)
+            return
+        slot = self.index.allocate(h)
+        if slot is None:
+            return
+        blocks = list(block_ids[chunk * bpc:chunk * bpc + k]) + [-1] * (bpc - k)
+        out.append(ChunkTransfer(req_id, chunk, h, slot, blocks))
+        self._readers.update((b, req_id) for b in blocks if b >= 0)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         report = output.kv_connector_worker_meta
@@ -247,16 +379,35 @@ class SchedulerHalf:
         if self.blend is not None:
             self.blend.update(output)
 
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Finished or aborted: its blocks go back to vLLM at once, as without a connector
         (so ``reset_prefix_cache`` succeeds right after a request). Saves still queued on
-        them are fenced when vLLM hands those blocks out again (``build_meta``)."""
-        self._requests.pop(request.request_id, None)
+        them are fenced when vLLM hands those blocks out again (``build_meta``).
+
+        A request that finished with output also saves the full blocks after its last full
+        chunk (prompt and answer), so that the next turn of a chat reloads all of it but
+        the last block. vLLM calls this after the step's plan was built, so that save goes
+        into the next plan's ``finished_saves``, which the workers queue before that step
+        writes any KV; its blocks are fenced like every other save."""
+        st = self._requests.pop(request.request_id, None)
         self._lookup_start.pop(request.request_id, None)
         self._hit_split.pop(request.request_id, None)
         if self.blend is not None:
             self.blend.forget(request.request_id)
+        self._partial_of.pop(request.request_id, None)
+        if st is not None and not st.skip_reason:
+            done = compat.kv_complete_tokens(request)
+            if not self.config.save_decode_chunks:
+                done = min(done, request.num_prompt_tokens)
+            self._plan_partial_save(st, request.request_id, done, block_ids,
+                                    self._finished_saves)
         return False, None
+
+    def has_pending_saves(self) -> bool:
+        """Saves planned at a request's finish that no plan has carried yet: vLLM keeps
+        stepping (an empty step) so they run while the engine is idle."""
+        return bool(self._finished_saves)
 
     def reset(self) -> None:
         """vLLM's cache reset (after a weight update, on sleep): every chunk stored so far
@@ -270,12 +421,14 @@ class SchedulerHalf:
         self._seed = reset_seed(self.fingerprint, secrets.token_bytes(16))
         forgotten = len(self.index)
         self.index.clear()
+        self._finished_saves.clear()  # their slots are free again
         for req_id, st in list(self._requests.items()):
             if st.request.num_computed_tokens == 0:
                 del self._requests[req_id]  # starts afresh under the new seed
             elif not st.skip_reason:
                 st.skip_reason = "computed before a cache reset"
         self._lookup_start.clear()
+        self._partial_of.clear()
         if self.blend is not None:
             self.blend.reset()
         logger.info("kvconnector: cache reset, %d stored chunks forgotten", forgotten)
@@ -291,6 +444,8 @@ class SchedulerHalf:
         out = {"requests": len(self._requests), "lookups": len(self._lookup_start),
                "hit_splits": len(self._hit_split),
                "planned_loads": len(self._loads) + len(self._async_loads),
+               "planned_finished_saves": len(self._finished_saves),
+               "partial_hits": len(self._partial_of),
                "pinned_slots": self.index.pinned}
         if self.blend is not None:
             out.update(self.blend.outstanding())

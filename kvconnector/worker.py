@@ -16,6 +16,7 @@ from kvconnector import compat, kernels
 from kvconnector.background import CopyThread
 from kvconnector.blend.worker import BlendWorker
 from kvconnector.config import ConnectorConfig
+from kvconnector.kernels.batched import PagedCopier, block_runs
 from kvconnector.keys import ChunkKey
 from kvconnector.layout import LayerLayout, LayoutError, describe_layers
 from kvconnector.metadata import ChunkTransfer, StepPlan, WorkerReport
@@ -58,6 +59,7 @@ class WorkerHalf:
         self._ratio = 1
         self.redis_tier: RedisTier | None = None
         self._host_transfer: HostTransfer | None = None
+        self._copier: PagedCopier | None = None
         self.copies = CopyThread()
         self._lock = threading.Lock()  # sets and counters the copy thread also writes
         self._device_lock = threading.Lock()  # HostTransfer's staging buffer is shared
@@ -77,8 +79,9 @@ class WorkerHalf:
                               f"{self.spec.block_size}")
         self._ratio = self.spec.block_size // kbs
         shape = (len(self.layers), *self.layout.chunk_shape(self.config.chunk_size // kbs))
-        self.pool = SlotPool(self.num_slots, shape, self.layout.dtype)
         redis = open_redis(self.config)
+        self.pool = SlotPool(self.num_slots, shape, self.layout.dtype,
+                             checksums=redis is not None)
         if redis is not None:
             self.redis_tier = RedisTier(redis, self.pool, self.layout.family,
                                         fingerprint=self.fingerprint_fields)
@@ -87,6 +90,8 @@ class WorkerHalf:
 
             self._host_transfer = HostTransfer(self.layers, self.layout,
                                                self.config.chunk_size // kbs, max_chunks=1)
+        else:
+            self._copier = PagedCopier(self.layers, self.layout)
         if self.blend is not None:
             self.blend.attach()
         logger.info("kvconnector worker rank %d: %d layers, layout %s %s",
@@ -95,21 +100,21 @@ class WorkerHalf:
     def _key(self, t: ChunkTransfer) -> ChunkKey:
         return ChunkKey(self.fingerprint, self.tp_rank, t.chunk_hash)
 
+    def _kernel_ids(self, block_ids: list[int]) -> list[int]:
+        """Scheduler block ids -> kernel block ids (-1 stays -1)."""
+        r = self._ratio
+        if r == 1:
+            return block_ids
+        return [b * r + i if b >= 0 else -1 for b in block_ids for i in range(r)]
+
     def _kernel_block_ids(self, block_ids: list[int]) -> torch.Tensor:
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        if self._ratio == 1:
-            return ids[None]
-        sub = torch.arange(self._ratio)
-        expanded = ids[:, None] * self._ratio + sub[None, :]
-        expanded[ids < 0] = -1
-        return expanded.reshape(1, -1)
+        return torch.tensor([self._kernel_ids(block_ids)], dtype=torch.long)
 
     # ---- loads ----
     def load(self, plan: StepPlan) -> None:
         """Chunks this step's forward needs, in place before it starts."""
         self.copies.wait_for_slots(t.slot for t in plan.loads)
-        for t in plan.loads:
-            self._load_chunk(t, on_copy_thread=False)
+        self._load_chunks(plan.loads, on_copy_thread=False)
 
     def start_async_loads(self, plan: StepPlan) -> None:
         """One copy-thread job per parked request: fetch from Redis, then fill its blocks."""
@@ -133,53 +138,70 @@ class WorkerHalf:
                 self._count(redis_loaded_chunks=n, redis_misses=len(wanted) - n,
                             load_seconds=elapsed)
                 self._observe(redis_fetch_seconds=elapsed)
-            for t in transfers:
-                self._load_chunk(t, on_copy_thread=True)
+            self._load_chunks(transfers, on_copy_thread=True)
         finally:  # vLLM releases the request only once it is reported, failed or not
             with self._lock:
                 self._received.add(req_id)
 
-    def _load_chunk(self, t: ChunkTransfer, on_copy_thread: bool) -> None:
+    def _load_chunks(self, transfers: list[ChunkTransfer], on_copy_thread: bool) -> None:
+        """Check every slot's key, then move all the chunks that passed at once. A slot
+        that fails costs a recompute of its blocks, never the request."""
         assert self.pool is not None
         start = time.perf_counter()
-        try:
-            data = self.pool.read(t.slot, self._key(t))
-            self._copy_in(data, self._kernel_block_ids(t.block_ids), on_copy_thread)
-        except Exception as e:  # a bad chunk costs a recompute, never the request
-            if not isinstance(e, ChunkCorrupt):
-                logger.exception("kvconnector: loading chunk %s failed", self._key(t))
-            else:
+        ready: list[ChunkTransfer] = []
+        for t in transfers:
+            try:
+                self.pool.read(t.slot, self._key(t))
+            except ChunkCorrupt as e:
                 logger.warning("kvconnector: %s; its blocks will be recomputed", e)
-            with self._lock:
-                self._load_errors.update(b for b in t.block_ids if b >= 0)
-                self._report.bad_chunks.add(t.chunk_hash)
-                self._report.note_failed_load(t.req_id, t.index)
-            reason = e.reason if isinstance(e, ChunkCorrupt) else "error"
-            self._count(load_errors=1, **{f"load_errors.{reason}": 1})
+                self._load_failed(t, e.reason)
+                continue
+            ready.append(t)
+        if not ready:
             return
-        n_blocks = sum(b >= 0 for b in t.block_ids)
+        try:
+            if self._copier is not None:
+                runs = block_runs((t.slot, self._kernel_ids(t.block_ids)) for t in ready)
+                self._copier.scatter(self.pool.buffer, runs)
+            else:
+                for t in ready:
+                    self._copy_in(self.pool.slot(t.slot), self._kernel_block_ids(t.block_ids),
+                                  on_copy_thread)
+        except Exception:
+            logger.exception("kvconnector: loading %d chunks failed", len(ready))
+            for t in ready:
+                self._load_failed(t, "error")
+            return
+        n_blocks = sum(b >= 0 for t in ready for b in t.block_ids)
+        bpc = len(ready[0].block_ids)
         elapsed = time.perf_counter() - start
-        self._count(loaded_chunks=1, loaded_tokens=n_blocks * self.spec.block_size,
-                    loaded_bytes=self.pool.chunk_bytes * n_blocks // len(t.block_ids),
-                    load_seconds=elapsed)
-        self._observe(chunk_load_seconds=elapsed)
+        self._count(loaded_chunks=len(ready), loaded_tokens=n_blocks * self.spec.block_size,
+                    loaded_bytes=self.pool.chunk_bytes * n_blocks // bpc, load_seconds=elapsed)
+        self._observe(load_batch_seconds=elapsed)
+
+    def _load_failed(self, t: ChunkTransfer, reason: str) -> None:
+        with self._lock:
+            self._load_errors.update(b for b in t.block_ids if b >= 0)
+            self._report.bad_chunks.add(t.chunk_hash)
+            self._report.note_failed_load(t.req_id, t.index)
+        self._count(load_errors=1, **{f"load_errors.{reason}": 1})
 
     # ---- saves ----
-    def save(self, plan: StepPlan) -> None:
-        """Start copying this step's finished chunks out; the forward pass does not wait.
+    def save(self, transfers: list[ChunkTransfer]) -> None:
+        """Start copying chunks out; the forward pass does not wait.
 
         The source blocks stay as they are until the copies are done: running requests own
         them, and a later step that hands them out again lists the request in its
         ``fence``, which ``handle_preemptions`` waits for before any KV is written.
         """
         assert self.pool is not None
-        if not plan.saves:
+        if not transfers:
             return
         if self._host_transfer is None:
-            self.copies.submit(lambda ts=plan.saves: self._save_chunks(ts),
-                               {t.req_id for t in plan.saves}, [t.slot for t in plan.saves])
+            self.copies.submit(lambda ts=transfers: self._save_chunks(ts),
+                               {t.req_id for t in transfers}, [t.slot for t in transfers])
             return
-        for t in plan.saves:  # CUDA: the DMA is queued now, the seal waits for it on the thread
+        for t in transfers:  # CUDA: the DMA is queued now, the seal waits for it on the thread
             self.copies.wait_for_slots([t.slot])
             start = time.perf_counter()
             try:
@@ -193,32 +215,42 @@ class WorkerHalf:
                                [t.req_id], [t.slot])
 
     def _save_chunks(self, transfers: list[ChunkTransfer]) -> None:
-        assert self.pool is not None and self.layout is not None
-        for t in transfers:
-            start = time.perf_counter()
-            try:
+        """All of a step's saves in one pass (the copy thread, CPU)."""
+        assert self.pool is not None and self._copier is not None
+        start = time.perf_counter()
+        try:
+            for t in transfers:
                 buf = self.pool.begin_write(t.slot)
-                kernels.gather(self.layers, self.layout, self._kernel_block_ids(t.block_ids),
-                               buf[None])
-            except Exception:
+                if any(b < 0 for b in t.block_ids):
+                    buf.zero_()  # a partial chunk: no bytes of an earlier chunk stay behind
+            runs = block_runs((t.slot, self._kernel_ids(t.block_ids)) for t in transfers)
+            self._copier.gather(self.pool.buffer, runs)
+        except Exception:
+            for t in transfers:
                 self._save_failed(t)
-                continue
+            return
+        for t in transfers:
             self._seal(t, None, start)
 
     def _seal(self, t: ChunkTransfer, copied: torch.cuda.Event | None, start: float) -> None:
+        """Mark the slot as holding ``t``'s chunk. Only values bound for Redis get a CRC:
+        memory slots never leave this process (docs/architecture.md, "Integrity")."""
         assert self.pool is not None
         try:
             if copied is not None:
                 copied.synchronize()
-            self.pool.end_write(t.slot, self._key(t))
+            key = self._key(t)
+            self.pool.end_write(t.slot, key)
             if self.redis_tier is not None:
-                self.redis_tier.offload(t.slot, self._key(t))
+                self.redis_tier.offload(t.slot, key)
         except Exception:
             self._save_failed(t)
             return
+        n_blocks = sum(b >= 0 for b in t.block_ids)
         elapsed = time.perf_counter() - start
-        self._count(saved_chunks=1, saved_tokens=self.config.chunk_size,
-                    saved_bytes=self.pool.chunk_bytes, save_seconds=elapsed)
+        self._count(saved_chunks=1, saved_tokens=n_blocks * self.spec.block_size,
+                    saved_bytes=self.pool.chunk_bytes * n_blocks // len(t.block_ids),
+                    save_seconds=elapsed)
         self._observe(chunk_save_seconds=elapsed)
 
     def _save_failed(self, t: ChunkTransfer) -> None:
@@ -228,8 +260,12 @@ class WorkerHalf:
         self._count(save_errors=1)
 
     def handle_preemptions(self, plan: StepPlan) -> None:
-        """Runs before the step writes KV: finish the copies still reading blocks that vLLM
-        hands out again in this step (from finished or preempted requests)."""
+        """Runs before the step writes KV. Queues the saves of requests that finished since
+        the last step (vLLM already took their blocks back), then finishes the copies still
+        reading blocks that vLLM hands out again in this step (finished or preempted
+        requests)."""
+        if plan.finished_saves:
+            self.save(plan.finished_saves)
         if plan.fence:
             self.copies.wait_for_requests(plan.fence)
 

@@ -33,7 +33,9 @@ def _worker_totals(worker) -> dict:
 
 
 def _corrupt(worker, prompt: list[int], chunk: int, reseal: bool) -> bool:
-    """Overwrite one stored chunk with noise; ``reseal`` also fixes its checksum."""
+    """Overwrite one stored chunk's slot with noise. Memory slots are not re-checked on
+    loads (docs/architecture.md, "Integrity"), so the noise is loaded: the control showing
+    that loaded KV is really used. ``reseal``: seal the slot again under its key."""
     import torch
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -55,10 +57,32 @@ def _corrupt(worker, prompt: list[int], chunk: int, reseal: bool) -> bool:
     return True
 
 
-def _worker_outstanding(worker) -> dict:
+def _foreign(worker, prompt: list[int], chunk: int) -> bool:
+    """Seal the slot holding one stored chunk as holding another chunk, as a save of
+    another chunk into that slot would: loads of the first chunk must refuse it."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return get_kv_transfer_group().worker.outstanding()
+    from kvconnector.keys import ChunkKey, chunk_hashes, request_seed
+
+    half = get_kv_transfer_group().worker
+    seed = request_seed(half.fingerprint, None)
+    h = chunk_hashes(prompt, half.config.chunk_size, seed)[chunk]
+    slot = half.pool.slot_holding(ChunkKey(half.fingerprint, half.tp_rank, h))
+    if slot is None:
+        return False
+    half.pool.end_write(slot, ChunkKey(half.fingerprint, half.tp_rank, bytes(16)))
+    return True
+
+
+def _worker_outstanding(worker, drain: bool) -> dict:
+    """What the worker half still holds; ``drain``: once the copies queued so far ran (the
+    last step may have queued the saves of a request that finished in the step before)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    half = get_kv_transfer_group().worker
+    if drain:
+        half.copies.drain()
+    return half.outstanding()
 
 
 def _stress(llm, step: dict) -> dict:
@@ -309,11 +333,14 @@ def _main(spec_path: str, out_path: str) -> None:
         elif op == "corrupt":
             results.append(llm.collective_rpc(
                 _corrupt, args=(step["prompt"], step["chunk"], step.get("reseal", False))))
+        elif op == "foreign":
+            results.append(llm.collective_rpc(_foreign, args=(step["prompt"], step["chunk"])))
         elif op == "stress":
             results.append(_stress(llm, step))
         elif op == "outstanding":
             results.append({"scheduler": _scheduler_outstanding(llm),
-                            "workers": llm.collective_rpc(_worker_outstanding)})
+                            "workers": llm.collective_rpc(
+                                _worker_outstanding, args=(step.get("drain", False),))})
         elif op == "flush":
             results.append(llm.collective_rpc(_flush_redis))
         elif op == "redis_stats":

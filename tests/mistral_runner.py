@@ -16,6 +16,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from tests.engine_runner import (  # noqa: E402
     _corrupt,
     _flush_redis,
+    _foreign,
+    _redis_keys,
     _redis_stats,
     _worker_totals,
     connector_config,
@@ -93,6 +95,11 @@ def main(spec_path: str, out_path: str) -> None:
             prompt = results[step["step"]]["prompt"]
             results.append(llm.collective_rpc(
                 _corrupt, args=(prompt, step["chunk"], step.get("reseal", False))))
+        elif op == "foreign":  # a chunk of an earlier step's prompt, sealed as another
+            prompt = results[step["step"]]["prompt"]
+            results.append(llm.collective_rpc(_foreign, args=(prompt, step["chunk"])))
+        elif op == "redis_keys":  # the Redis keys of an earlier step's prompt
+            results.append(_redis_keys(llm, {"prompts": [results[step["step"]]["prompt"]]}))
         elif op == "flush":
             results.append(llm.collective_rpc(_flush_redis))
         elif op == "redis_stats":

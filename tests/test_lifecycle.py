@@ -11,8 +11,9 @@ from tests.conftest import prompt, run_engine
 pytestmark = pytest.mark.engine
 
 CHUNK = 256
-P1 = prompt(1, 700)  # 2 full chunks
+P1 = prompt(1, 700)  # 2 full chunks and a partial chunk of 1 block
 P2 = prompt(2, 700)
+HIT = 640  # all of a 700-token prompt but its last block (128 tokens on CPU)
 MEM = {"memory_capacity": "64MiB"}
 # Scaling the embeddings changes every layer's KV, and this model's output with it.
 SCALE = {"op": "scale_weight", "name": "model.embed_tokens.weight", "factor": 4.0}
@@ -54,11 +55,11 @@ def updated(tiny_model, tmp_path_factory):
 def test_reset_prefix_cache_right_after_a_request_succeeds(updated, new_weights):
     assert updated[1] is True
     warm = updated[2][0]
-    assert warm["cached"] == 2 * CHUNK and warm["tokens"] == new_weights["P1"]
+    assert warm["cached"] == HIT and warm["tokens"] == new_weights["P1"]
 
 
 def test_hits_from_memory_are_labelled_host_in_vllms_metrics(updated):
-    assert updated[12] == {"host": 3 * 2 * CHUNK}  # steps 2, 4 and 7
+    assert updated[12] == {"host": 3 * HIT}  # steps 2, 4 and 7
 
 
 def test_vllm_is_told_a_miss_is_acceptable(updated):
@@ -69,7 +70,7 @@ def test_without_a_reset_stored_kv_is_reused(updated, new_weights):
     """The connector cannot see weights change: until the cache is reset it serves KV
     computed with the old weights, and the output differs from the new weights' output."""
     stale = updated[4][0]
-    assert stale["cached"] == 2 * CHUNK
+    assert stale["cached"] == HIT
     assert stale["tokens"] != new_weights["x4"]
 
 
@@ -78,7 +79,7 @@ def test_reset_after_a_weight_update_serves_the_new_weights(updated, new_weights
     after, again = updated[6][0], updated[7][0]
     assert after["cached"] == 0, "a chunk stored before the reset was loaded"
     assert after["tokens"] == new_weights["x4"]
-    assert again["cached"] == 2 * CHUNK  # what was stored after the reset is reused
+    assert again["cached"] == HIT  # what was stored after the reset is reused
     assert again["tokens"] == new_weights["x4"]
 
 
@@ -109,8 +110,42 @@ def test_blocks_handed_out_again_wait_for_their_queued_saves(tiny_model, tmp_pat
     assert res[2] is True
     assert res[4][0]["seconds"] >= 1.5, "the step reusing P1's blocks did not wait"
     assert res[4][0]["tokens"] == new_weights["P2"]
-    assert res[5][0]["cached"] == 2 * CHUNK and res[6]["load_errors"] == 0
+    assert res[5][0]["cached"] == HIT and res[6]["load_errors"] == 0
     assert res[5][0]["tokens"] == new_weights["P1"]
+
+
+def test_saves_planned_at_finish_read_the_blocks_before_they_are_reused(tiny_model,
+                                                                        tmp_path_factory):
+    """A finished request's last blocks are saved in the next step, after vLLM took them
+    back. Here that save waits behind the closed copy gate while the next prompt reuses the
+    blocks (a KV cache of 9 blocks): the step must wait for it, and the chunk it stored
+    must be the finished request's, which the next turn of its chat then reloads."""
+    first = prompt(3, 600)  # 4 full blocks: no partial chunk at the end of the prompt
+    answer_tokens = 60  # 659 tokens computed: 5 full blocks, the 5th stored at the finish
+    spec = {"model": tiny_model, "kv_cache_bytes": 9 << 17, "max_model_len": 1024}
+    res = run_engine(tmp_path_factory.mktemp("finish-fence"), {**spec, "connector": MEM,
+                                                                "steps": [
+        {"op": "generate", "prompts": [first], "max_tokens": answer_tokens},  # 0
+        {"op": "copy_gate", "close": True},  # 1: the finish save will queue behind it
+        {"op": "copy_gate", "close": False, "after_s": 1.5},  # 2
+        {"op": "generate", "prompts": [P1], "timed": True},  # 3: reuses first's blocks
+        {"op": "totals"}]}, timeout=TIMEOUT)  # 4
+    turn2 = first + res[0][0]["tokens"] + prompt(5, 40)
+    res += run_engine(tmp_path_factory.mktemp("finish-fence-turn2"), {
+        **spec, "connector": MEM, "steps": [
+            {"op": "generate", "prompts": [first], "max_tokens": answer_tokens},  # 5
+            {"op": "generate", "prompts": [P1]},  # 6: reuses the blocks
+            {"op": "generate", "prompts": [turn2]},  # 7: loads the chunk saved at finish
+            {"op": "totals"}]}, timeout=TIMEOUT)  # 8
+    base = run_engine(tmp_path_factory.mktemp("finish-fence-base"), {
+        **spec, "connector": None, "steps": [{"op": "generate", "prompts": [turn2]}]},
+        timeout=TIMEOUT)
+    assert res[3][0]["seconds"] >= 1.0, "the step reusing the blocks did not wait"
+    assert res[4]["saved_chunks"] >= 3  # first's chunks 0 and 1, and its 5th block
+    hit = res[7][0]
+    assert hit["cached"] == (len(first) + answer_tokens - 1) // 128 * 128 == 640
+    assert hit["tokens"] == base[0][0]["tokens"]
+    assert res[8]["load_errors"] == 0
 
 
 def test_reset_in_multiprocess_mode(tiny_model, tmp_path_factory, new_weights):
@@ -124,4 +159,4 @@ def test_reset_in_multiprocess_mode(tiny_model, tmp_path_factory, new_weights):
             {"op": "generate", "prompts": [P1]}]}, multiprocess=True, timeout=TIMEOUT)
     assert res[2] is True
     assert res[3][0]["cached"] == 0 and res[3][0]["tokens"] == new_weights["x4"]
-    assert res[4][0]["cached"] == 2 * CHUNK and res[4][0]["tokens"] == new_weights["x4"]
+    assert res[4][0]["cached"] == HIT and res[4][0]["tokens"] == new_weights["x4"]

@@ -158,7 +158,7 @@ def test_everything_without_a_meaning_is_refused_by_name(tmp_path):
     expect = {"local_device": "not a key of LMCache", "local_cpu": "always keeps chunks in "
               "host memory", "local_disk": "no disk tier", "max_local_disk_size": "no disk tier",
               "remote_url": "LMCache's own cache server", "remote_serde": "uncompressed",
-              "use_layerwise": "all layers of a chunk", "save_unfull_chunk": "full chunks only"}
+              "use_layerwise": "all layers of a chunk"}
     assert len(found) == len(expect), found
     for key, why in expect.items():
         line = next((f for f in found if re.search(rf"\b{key}\b", f)), None)

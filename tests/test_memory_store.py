@@ -7,6 +7,7 @@ import torch
 
 from kvconnector.keys import ChunkKey
 from kvconnector.store import ChunkCorrupt, MemoryIndex, SlotPool
+from kvconnector.store.memory import checksum
 
 
 def h(i: int) -> bytes:
@@ -89,11 +90,30 @@ def test_pool_round_trip_and_checks():
         pool.read(0, _key(5))
     with pytest.raises(ChunkCorrupt, match="no slot"):
         pool.read(-1, _key(5))
-    buf.view(torch.uint8)[0, 0, 0, 0, 0] ^= 1  # one flipped bit
-    with pytest.raises(ChunkCorrupt, match="checksum"):
-        pool.read(1, _key(5))
-    with pytest.raises(ChunkCorrupt):  # a corrupt slot stays refused
-        pool.read(1, _key(5))
+    pool.end_write(2, _key(6))
+    pool.end_write(2, _key(7))  # the slot now holds another chunk
+    with pytest.raises(ChunkCorrupt, match="does not hold"):
+        pool.read(2, _key(6))
+
+
+def test_memory_reads_check_the_key_not_the_bytes():
+    """Slot bytes never leave the worker process, so a read does not hash them again (the
+    CRC is taken at the seal, only for slots bound for Redis, whose readers check it)."""
+    pool = SlotPool(1, (64,), torch.float32)
+    buf = pool.begin_write(0)
+    buf.copy_(torch.arange(64.0))
+    crc = checksum(buf)
+    pool.end_write(0, _key(1), crc)
+    assert pool.header(0).checksum == crc
+    pool.end_write(0, _key(1))
+    assert pool.header(0).checksum is None
+    assert torch.equal(pool.read(0, _key(1)), torch.arange(64.0))
+    bound_for_redis = SlotPool(1, (64,), torch.float32, checksums=True)
+    bound_for_redis.begin_write(0).copy_(torch.arange(64.0))
+    bound_for_redis.end_write(0, _key(1))
+    assert bound_for_redis.header(0).checksum == crc
+    bound_for_redis.end_write(0, _key(1), for_redis=False)  # fetched from Redis
+    assert bound_for_redis.header(0).checksum is None
 
 
 def test_interrupted_write_is_never_readable():

@@ -37,17 +37,17 @@ def value(name: str, **labels: str) -> float | None:
 def test_stats_aggregate_counters_samples_and_gauges():
     a, b = TransferStats(), TransferStats()
     a.add(loaded_chunks=2, **{"load_errors.checksum": 1})
-    a.observe(chunk_load_seconds=0.5)
+    a.observe(load_batch_seconds=0.5)
     a.set_gauges(memory_slots_used=3)
     b.add(loaded_chunks=1, **{"load_errors.checksum": 2, "load_errors.missing": 1})
-    b.observe(chunk_load_seconds=0.25)
+    b.observe(load_batch_seconds=0.25)
     b.set_gauges(memory_slots_used=5)
     out = a.aggregate(b)
     assert out.data["loaded_chunks"] == 3
     assert out.data["load_errors.checksum"] == 3 and out.data["load_errors.missing"] == 1
-    assert out.data["samples"]["chunk_load_seconds"] == [0.5, 0.25]
+    assert out.data["samples"]["load_batch_seconds"] == [0.5, 0.25]
     assert out.data["gauges"]["memory_slots_used"] == 5  # the newer report wins
-    assert a.data["samples"]["chunk_load_seconds"] == [0.5]  # inputs unchanged
+    assert a.data["samples"]["load_batch_seconds"] == [0.5]  # inputs unchanged
     reduced = out.reduce()
     assert reduced["memory_slots_used"] == 5 and "samples" not in reduced
     assert all(isinstance(v, (int, float)) for v in reduced.values())
@@ -79,8 +79,8 @@ def test_prom_metrics_record_a_step(prom):
           **{"hit_tokens.memory": 512, "hit_tokens.redis": 256, "load_errors.checksum": 2,
              "load_errors.not_in_slot": 1, "corrupt_values.mac": 1, "redis_backoffs": 1,
              "someone_elses_counter": 5})
-    s.observe(chunk_load_seconds=0.002, redis_fetch_seconds=0.3)
-    s.observe(chunk_load_seconds=0.004)
+    s.observe(load_batch_seconds=0.002, redis_fetch_seconds=0.3)
+    s.observe(load_batch_seconds=0.004)
     s.set_gauges(memory_slots_used=3, memory_slots=4)
     prom.observe(s.data, 0)
     prom.observe(s.data, 0)  # counters accumulate, gauges are set
@@ -91,9 +91,9 @@ def test_prom_metrics_record_a_step(prom):
     assert value("vllm:kvconnector_load_errors_total", reason="not_in_slot") == 2
     assert value("vllm:kvconnector_corrupt_values_total", reason="mac") == 2
     assert value("vllm:kvconnector_redis_backoffs_total") == 2
-    assert value("vllm:kvconnector_chunk_load_seconds_count") == 4
-    assert value("vllm:kvconnector_chunk_load_seconds_sum") == pytest.approx(0.012)
-    assert value("vllm:kvconnector_chunk_load_seconds_bucket", le="0.0025") == 2
+    assert value("vllm:kvconnector_load_batch_seconds_count") == 4
+    assert value("vllm:kvconnector_load_batch_seconds_sum") == pytest.approx(0.012)
+    assert value("vllm:kvconnector_load_batch_seconds_bucket", le="0.0025") == 2
     assert value("vllm:kvconnector_redis_fetch_seconds_count") == 2
     assert value("vllm:kvconnector_memory_slots_used") == 3
     assert value("vllm:kvconnector_memory_slots") == 4

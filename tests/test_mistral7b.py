@@ -153,12 +153,24 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def expected_hit(prompt: list[int], stored: list[int], block: int) -> int:
-    """Tokens the connector should load for ``prompt`` after a request whose prompt + answer
-    was ``stored``: every full chunk the two share, short of the last block (vLLM computes at
-    least one prompt token). The last generated token never had its KV computed."""
-    chunks = min(common_prefix(prompt, stored), len(stored) - 1) // CHUNK
-    return min(chunks * CHUNK, (len(prompt) - 1) // block * block)
+def expected_hit(prompt: list[int], block: int, *earlier: dict) -> int:
+    """Tokens the connector should load for ``prompt`` after the requests ``earlier`` ran
+    (each {"prompt", "tokens"}): the longest prefix of ``prompt`` it shares with one of them
+    that the store holds, short of the last block (vLLM computes at least one prompt token).
+    The store holds each earlier request's full chunks, and as partial chunks its full
+    blocks at the end of its prompt and at the end of prompt + answer (the last generated
+    token never had its KV computed)."""
+    cap = (len(prompt) - 1) // block * block
+    best = 0
+    for out in earlier:
+        seq = out["prompt"] + out["tokens"]
+        done = len(seq) - 1
+        common = min(common_prefix(prompt, seq), done)
+        best = max(best, min(common // CHUNK * CHUNK, cap))
+        for end in (len(out["prompt"]) // block * block, done // block * block):
+            if end <= min(common, cap):
+                best = max(best, end)
+    return best
 
 
 def plan(steps: list[tuple[str, dict]]) -> tuple[list[dict], list[str]]:
@@ -202,7 +214,7 @@ def run(target, redis, reference, tmp_path_factory) -> dict:
         ("other_report", {"op": "chat", "messages": C3}),
         ("flush", {"op": "flush"}),
         ("totals_before_faults", {"op": "totals"}),
-        ("corrupt", {"op": "corrupt", "step": "turn1", "chunk": 0}),
+        ("corrupt", {"op": "foreign", "step": "turn1", "chunk": 0}),
         ("turn1_corrupt", {"op": "chat", "messages": C1}),
         ("totals_after_corrupt", {"op": "totals"}),
         ("noise0", {"op": "corrupt", "step": "other_report", "chunk": 0, "reseal": True}),
@@ -210,6 +222,7 @@ def run(target, redis, reference, tmp_path_factory) -> dict:
         ("other_report_noise", {"op": "chat", "messages": C3}),
         ("totals_after_noise", {"op": "totals"}),
         ("redis_stats", {"op": "redis_stats"}),
+        ("redis_keys", {"op": "redis_keys", "step": "other_report"}),
         ("geometry", {"op": "geometry"}),
     ])
 
@@ -233,12 +246,22 @@ def baseline(target, run, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def second_engine(target, run, redis, tmp_path_factory) -> dict:
-    """A fresh engine (empty memory tier) on the Redis the first engine wrote to."""
+    """A fresh engine (empty memory tier) on the Redis the first engine wrote to, after one
+    bit of the other report's first chunk was flipped in Redis."""
+    client = redis.client()
+    key = run["redis_keys"][0][0]
+    value = bytearray(client.get(key))
+    value[-1000] ^= 0x10  # in the payload
+    client.set(key, bytes(value))
     return run_steps(tmp_path_factory.mktemp(f"{target.name}-redis"), {
         "model": target.path, "kv_cache_bytes": target.kv_cache_bytes,
-        "connector": target.connector(redis_url=redis.url, redis_key_prefix=target.name)}, [
+        "connector": target.connector(redis_url=redis.url, redis_key_prefix=target.name,
+                                      redis_lookup_budget_ms=10_000)}, [
         ("turn1", {"op": "chat", "messages": C1}),
         ("totals", {"op": "totals"}),
+        ("other_report", {"op": "chat", "messages": C3}),
+        ("totals_after_flip", {"op": "totals"}),
+        ("redis_stats", {"op": "redis_stats"}),
     ])
 
 
@@ -276,17 +299,17 @@ def test_chunk_size_and_slots_follow_the_model(target, run):
 
 def test_repeated_chat_loads_prompt_from_store(run, baseline, block):
     turn1, again = run["turn1"], run["turn1_again"]
-    stored = turn1["prompt"] + turn1["tokens"]
     assert turn1["cached"] == 0
-    assert again["cached"] == expected_hit(again["prompt"], stored, block) >= 2 * CHUNK
+    # All of the prompt but its last block: full chunks, then the prompt's partial chunk.
+    assert again["cached"] == expected_hit(again["prompt"], block, turn1) == \
+        (len(again["prompt"]) - 1) // block * block
     assert turn1["tokens"] == baseline["turn1"]
     assert again["tokens"] == baseline["turn1"][:SHORT_TOKENS]
 
 
 def test_other_question_loads_the_shared_report(run, baseline, block):
-    turn1, other = run["turn1"], run["other_question"]
-    assert other["cached"] == expected_hit(other["prompt"], turn1["prompt"] + turn1["tokens"],
-                                           block) >= CHUNK
+    turn1, again, other = run["turn1"], run["turn1_again"], run["other_question"]
+    assert other["cached"] == expected_hit(other["prompt"], block, turn1, again) >= CHUNK
     assert other["tokens"] == baseline["other_question"]
 
 
@@ -294,8 +317,9 @@ def test_chat_turn2_reuses_turn1_prompt_and_answer(run, baseline, block):
     turn1, turn2 = run["turn1"], run["turn2"]
     stored = turn1["prompt"] + turn1["tokens"]
     assert len(turn1["prompt"]) % CHUNK + ANSWER_TOKENS > CHUNK, "answer must fill a chunk"
-    assert turn2["cached"] == expected_hit(turn2["prompt"], stored, block)
-    assert turn2["cached"] > len(turn1["prompt"]), "no answer tokens came from the store"
+    # All of turn 1's prompt and answer but its last block.
+    assert turn2["cached"] == expected_hit(turn2["prompt"], block, turn1) == \
+        (len(stored) - 1) // block * block
     assert turn2["tokens"] == baseline["turn2"]
 
 
@@ -307,20 +331,28 @@ def test_loaded_bytes_are_mistral_kv_bytes(target, run):
     assert totals["load_errors"] == 0
 
 
-def test_corrupt_chunk_is_caught_and_recomputed(run, baseline):
+def test_slot_holding_another_key_is_refused(run, baseline):
     assert run["corrupt"] == [True]
     before, after = run["totals_before_faults"], run["totals_after_corrupt"]
     assert after["load_errors"] - before["load_errors"] >= 1
     assert run["turn1_corrupt"]["tokens"] == baseline["turn1"][:SHORT_TOKENS]
 
 
+def test_flipped_bit_in_redis_is_caught_and_recomputed(second_engine, baseline):
+    out, stats = second_engine["other_report"], second_engine["redis_stats"]
+    before, after = second_engine["totals"], second_engine["totals_after_flip"]
+    assert stats["corrupt_reasons"] == {"checksum": 1}
+    assert after["load_errors"] - before["load_errors"] == 1
+    assert out["tokens"] == baseline["other_report"]
+
+
 def test_loaded_kv_is_really_used(run, baseline, block):
-    """Control: noise sealed with a valid checksum changes the answer, so the equalities above
+    """Control: noise written into stored slots changes the answer, so the equalities above
     are not the engine quietly recomputing (and the model is sensitive to its KV)."""
     assert run["noise0"] == [True] and run["noise1"] == [True]
     noisy = run["other_report_noise"]
-    assert noisy["cached"] == expected_hit(noisy["prompt"], run["other_report"]["prompt"],
-                                           block) >= 2 * CHUNK
+    assert noisy["cached"] == expected_hit(noisy["prompt"], block, run["other_report"]) \
+        >= 2 * CHUNK
     assert run["totals_after_noise"]["load_errors"] == run["totals_after_corrupt"]["load_errors"]
     assert run["other_report"]["tokens"] == baseline["other_report"]
     assert noisy["tokens"] != baseline["other_report"]
@@ -330,7 +362,7 @@ def test_second_engine_loads_from_redis(run, second_engine, baseline, block):
     assert run["redis_stats"]["puts"] >= 4
     out, totals = second_engine["turn1"], second_engine["totals"]
     assert out["prompt"] == run["turn1"]["prompt"]
-    assert out["cached"] == expected_hit(out["prompt"], out["prompt"], block) >= 2 * CHUNK
+    assert out["cached"] == expected_hit(out["prompt"], block, run["turn1"]) >= 2 * CHUNK
     assert totals["redis_loaded_chunks"] == -(-out["cached"] // CHUNK)
     assert totals["load_errors"] == 0
     assert out["tokens"] == baseline["turn1"][:SHORT_TOKENS]
@@ -364,14 +396,16 @@ def test_openai_chat_endpoint_two_turns(server, run, block):
     # after some tokens even without a connector.
     assert second["choices"][0]["token_ids"] == answer
     assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    first_out = {"prompt": prompt, "tokens": answer}
+    second_out = {"prompt": prompt, "tokens": second["choices"][0]["token_ids"]}
     assert [cached_tokens(first), cached_tokens(second)] == [
-        0, expected_hit(prompt, prompt + answer, block)]
+        0, expected_hit(prompt, block, first_out)]
     # Turn 2 as a client sends it: the answer comes back as text through the template.
     turn2 = _chat(server, [*C1, {"role": "assistant",
                                  "content": first["choices"][0]["message"]["content"]},
                            {"role": "user", "content": Q_TURN2}], SHORT_TOKENS)
-    assert cached_tokens(turn2) == expected_hit(turn2["prompt_token_ids"], prompt + answer,
-                                                block)
+    assert cached_tokens(turn2) == expected_hit(turn2["prompt_token_ids"], block, first_out,
+                                                second_out)
     assert cached_tokens(turn2) >= len(prompt) // CHUNK * CHUNK
 
 
@@ -382,7 +416,8 @@ def test_openai_completion_with_text_prompt(server, block):
     prompt = first["choices"][0]["prompt_token_ids"]
     assert first["usage"]["prompt_tokens"] == len(prompt) > 2 * CHUNK
     assert [cached_tokens(first), cached_tokens(second)] == [
-        0, expected_hit(prompt, prompt + first["choices"][0]["token_ids"], block)]
+        0, expected_hit(prompt, block, {"prompt": prompt,
+                                        "tokens": first["choices"][0]["token_ids"]})]
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
 
 

@@ -295,7 +295,7 @@ def test_server_metrics_move(ops):
     assert saved >= 10 and saved > metric(before, "vllm:kvconnector_saved_chunks_total")
     assert m("vllm:kvconnector_saved_bytes_total") == saved * CHUNK_BYTES
     assert m("vllm:kvconnector_chunk_save_seconds_count") == saved
-    assert m("vllm:kvconnector_chunk_load_seconds_count") >= 4
+    assert m("vllm:kvconnector_load_batch_seconds_count") >= 2
     assert m("vllm:kvconnector_redis_fetch_seconds_count") >= 2
     assert m("vllm:kvconnector_redis_chunks_total", op="get") >= 2
     assert m("vllm:kvconnector_redis_bytes_total", op="put") >= 8 * CHUNK_BYTES

@@ -12,6 +12,9 @@ pytestmark = pytest.mark.engine
 
 CHUNK = 256
 P1, P2, P3, P4 = prompt(11, 700), prompt(12, 600), prompt(13, 800), prompt(14, 600)
+# P1: 2 full chunks and a partial chunk of 1 block (128 tokens on CPU), P2-P4 full chunks
+# only (their last full block ends a chunk): a hit on P1 is 3 chunks, all but its last block.
+P1_HIT, P2_HIT = 640, 2 * CHUNK
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +45,9 @@ def test_second_engine_serves_first_engines_chunks(tiny_model, tmp_path_factory,
             {"op": "generate", "prompts": [P1]}, {"op": "totals"},
             {"op": "cached_by_source"}]})
     out, totals = second[0][0], second[1]
-    assert second[2] == {"disk": 2 * CHUNK}  # vLLM's label for a storage tier
-    assert out["cached"] == 2 * CHUNK
-    assert totals["redis_loaded_chunks"] == 2 and totals["load_errors"] == 0
+    assert second[2] == {"disk": P1_HIT}  # vLLM's label for a storage tier
+    assert out["cached"] == P1_HIT  # the partial chunk is in Redis too
+    assert totals["redis_loaded_chunks"] == 3 and totals["load_errors"] == 0
     assert first[0][0]["tokens"] == baseline[0]
     assert out["tokens"] == baseline[0]
 
@@ -66,7 +69,7 @@ def test_reset_hides_redis_chunks_from_this_engine_only(tiny_model, tmp_path_fac
     other = run_engine(tmp_path_factory.mktemp("redis-reset-other"), {
         "model": tiny_model, "connector": extra, "steps": [
             {"op": "generate", "prompts": [P1]}, {"op": "totals"}]})
-    assert other[0][0]["cached"] == 2 * CHUNK and other[1]["redis_loaded_chunks"] == 2
+    assert other[0][0]["cached"] == P1_HIT and other[1]["redis_loaded_chunks"] == 3
     assert other[0][0]["tokens"] == baseline[0]
 
 
@@ -90,9 +93,9 @@ def test_frozen_redis_holds_up_only_the_request_that_needs_it(tiny_model, tmp_pa
             {"op": "totals"}]})  # 6
     race, before, after = res[5], res[3], res[6]
     assert "fast" in race and not race["slow_done_first"]
-    assert race["slow"]["cached"] == 2 * CHUNK
+    assert race["slow"]["cached"] == P1_HIT
     assert race["slow"]["tokens"] == baseline[0]
-    assert after["redis_loaded_chunks"] - before["redis_loaded_chunks"] == 2
+    assert after["redis_loaded_chunks"] - before["redis_loaded_chunks"] == 3
     assert after["load_errors"] == 0
 
 
@@ -121,7 +124,7 @@ def test_redis_faults_cost_misses_not_requests(tiny_model, tmp_path_factory, bas
     assert up["puts"] >= 2  # P2's chunks reached Redis once it was up
     assert [r["tokens"] for r in res[8]] == baseline[:3]
     # The memory tier still serves while Redis is down.
-    assert [r["cached"] for r in res[8][:2]] == [2 * CHUNK, 2 * CHUNK]
+    assert [r["cached"] for r in res[8][:2]] == [P1_HIT, P2_HIT]
     assert killed["errors"] > up["errors"]
     assert back["puts"] > killed["puts"]  # reconnected after the restart
     assert [r["tokens"] for r in res[13]] == baseline[3:]

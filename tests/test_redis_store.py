@@ -173,6 +173,23 @@ def test_codec_checksum_matches_memory_tier():
         codec.encode_header(exp)
 
 
+@pytest.mark.parametrize("crc", [0, 0x7F, 0x80, 0xFFFF, 0x10000, 0xFFFFFFFF])
+@pytest.mark.parametrize("signed", [False, True])
+def test_codec_header_short_cut_agrees_with_the_full_check(crc, signed):
+    """Headers as encode_header writes them are checked by comparing bytes; the result must
+    be what unpacking gives, and any other chunk's header must not pass."""
+    exp, payload = make_chunk(5, 4096)
+    header = codec.encode_header(exp, payload, mac_key=b"m" * 32) if signed else \
+        codec.encode_header(exp, crc32=crc)
+    fields = msgpack.unpackb(header[codec.PREFIX_LEN:])
+    assert codec._fast_header(header[codec.PREFIX_LEN:], exp) == fields
+    assert codec.check_header(header[codec.PREFIX_LEN:], exp) == fields
+    other, _ = make_chunk(6, 4096)
+    assert codec._fast_header(header[codec.PREFIX_LEN:], other) is None
+    with pytest.raises(CorruptValue, match="key"):
+        codec.check_header(header[codec.PREFIX_LEN:], other)
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_codec_rejects(variant):
     exp, payload = make_chunk(7, 4096, seed=7)

@@ -28,12 +28,11 @@ def host_memory() -> tuple[int, int]:
 
 
 class ChunkCorrupt(RuntimeError):
-    """A stored chunk failed its key or checksum check; it must not be used.
+    """A slot does not hold the chunk asked for (another key, or none); it must not be used.
 
-    ``reason``: "missing" (no slot), "not_in_slot" (the slot holds no sealed copy of it)
-    or "checksum"."""
+    ``reason``: "missing" (no slot) or "not_in_slot" (the slot holds no sealed copy of it)."""
 
-    def __init__(self, message: str, reason: str = "corrupt") -> None:
+    def __init__(self, message: str, reason: str = "not_in_slot") -> None:
         super().__init__(message)
         self.reason = reason
 
@@ -121,7 +120,7 @@ class MemoryIndex:
 @dataclass(frozen=True)
 class SlotHeader:
     key: ChunkKey
-    checksum: int
+    checksum: int | None  # CRC32 of the bytes, for slots bound for Redis only
 
 
 def checksum(data: torch.Tensor) -> int:
@@ -132,11 +131,16 @@ class SlotPool:
     """Worker-side bytes of the memory tier: one allocation of ``num_slots`` chunks.
 
     Pinned when CUDA is present (fast, asynchronous host copies). Every slot carries the
-    key it holds and a checksum of its bytes; ``read`` refuses a slot that does not match.
+    key it holds; ``read`` refuses a slot sealed under another key, or not sealed at all
+    (a write in progress or failed). Slot bytes are not re-checked on read: they never
+    leave this process (docs/architecture.md, "Integrity"). A slot bound for Redis also
+    carries the CRC32 of its bytes, taken when it was sealed, for the value's header.
     """
 
-    def __init__(self, num_slots: int, chunk_shape: Sequence[int], dtype: torch.dtype) -> None:
+    def __init__(self, num_slots: int, chunk_shape: Sequence[int], dtype: torch.dtype,
+                 checksums: bool = False) -> None:
         pin = torch.cuda.is_available()
+        self.checksums = checksums  # slots are sent to Redis: seal them with their CRC32
         self.chunk_shape = tuple(chunk_shape)
         self.buffer = torch.empty((num_slots, *self.chunk_shape), dtype=dtype, pin_memory=pin)
         # Touch every page now: the capacity is really held from start-up, and the first
@@ -168,9 +172,14 @@ class SlotPool:
         self._headers[slot] = None
         return self.buffer[slot]
 
-    def end_write(self, slot: int, key: ChunkKey, crc: int | None = None) -> None:
-        """Seal a slot; ``crc`` when its bytes were already verified against it."""
-        self._headers[slot] = SlotHeader(key, checksum(self.buffer[slot]) if crc is None else crc)
+    def end_write(self, slot: int, key: ChunkKey, crc: int | None = None, *,
+                  for_redis: bool = True) -> None:
+        """Seal a slot as holding ``key``. A pool with ``checksums`` takes the CRC32 of the
+        bytes now (or uses ``crc``), for the Redis header; ``for_redis=False``: the slot is
+        not to be sent (it came from Redis), so no CRC."""
+        if crc is None and self.checksums and for_redis:
+            crc = checksum(self.buffer[slot])
+        self._headers[slot] = SlotHeader(key, crc)
 
     def header(self, slot: int) -> SlotHeader | None:
         return self._headers[slot]
@@ -181,12 +190,7 @@ class SlotPool:
         header = self._headers[slot]
         if header is None or header.key != key:
             raise ChunkCorrupt(f"slot {slot} does not hold chunk {key}", "not_in_slot")
-        data = self.buffer[slot]
-        if checksum(data) != header.checksum:
-            self._headers[slot] = None
-            raise ChunkCorrupt(f"checksum mismatch for chunk {key} in slot {slot}",
-                               "checksum")
-        return data
+        return self.buffer[slot]
 
     def slot_holding(self, key: ChunkKey) -> int | None:
         for slot, header in enumerate(self._headers):

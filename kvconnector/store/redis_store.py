@@ -64,6 +64,7 @@ _SCHEMES = {"redis", "rediss", "unix", *_CLUSTER_SCHEMES}
 _COALESCE = 16 * 1024  # payloads up to this size are copied into the command buffer
 _DIRECT_READ = 16 * 1024  # reads at least this large go straight into the destination
 _READ_BUF = 64 * 1024
+_HEAD_READ = 1024  # a value's reply line, codec prefix and header fit (almost always)
 _IOV_MAX = 512  # buffers per sendmsg call
 _MAX_LINE = 4096
 # A connection idle for longer is polled before reuse, to find one the server closed
@@ -224,6 +225,7 @@ class _Wire:
         self.buf = bytearray(_READ_BUF)
         self.view = memoryview(self.buf)
         self.start = self.end = 0
+        self.fill_limit = _READ_BUF  # bytes one buffered read may take
 
     def _arm(self) -> None:
         if self.deadline is not None:
@@ -271,7 +273,7 @@ class _Wire:
             n = self.end - self.start
             self.buf[:n] = self.view[self.start:self.end]
             self.start, self.end = 0, n
-        self.end += self._recv_into(self.view[self.end:])
+        self.end += self._recv_into(self.view[self.end:self.end + self.fill_limit])
 
     def read_line(self) -> bytes:
         while True:
@@ -474,6 +476,26 @@ class RedisStore:
         trip, all of it within ``budget_s``. Over budget, in backoff or failed: 0."""
         if not keys:
             return 0
+        n = 0
+        for found in self._exists(keys, budget_s):
+            if not found:
+                break
+            n += 1
+        self._count(lookups=1, lookup_hits=n)
+        return n
+
+    def exists_many(self, keys: Sequence[Any], budget_s: float) -> list[bool]:
+        """Which ``keys`` are stored, like ``exists_prefix`` (one round trip within
+        ``budget_s``; over budget, in backoff or failed: none)."""
+        if not keys:
+            return []
+        found = self._exists(keys, budget_s)
+        self._count(lookups=1, lookup_hits=sum(found))
+        return found
+
+    def _exists(self, keys: Sequence[Any], budget_s: float) -> list[bool]:
+        if not keys:
+            return []
         deadline = time.monotonic() + max(budget_s, 0.0)
         rkeys = [self.redis_key(k) for k in keys]
         found = [False] * len(rkeys)
@@ -487,15 +509,8 @@ class RedisStore:
 
         cmds = [b"*2\r\n$6\r\nEXISTS\r\n" + _bulk(k) for k in rkeys]
         ok = self._call("exists", rkeys, cmds, read, deadline)
-        n = 0
-        if ok:
-            for f in found:
-                if not f:
-                    break
-                n += 1
         self._note_reply_errors(reply_errors)
-        self._count(lookups=1, lookup_hits=n)
-        return n
+        return found if ok else [False] * len(rkeys)
 
     def put_many(self, items: Sequence[tuple[Any, bytes, Any]]) -> int:
         """Store ``(key, header, payload)`` items, header from ``codec.encode_header``.
@@ -640,7 +655,13 @@ class RedisStore:
 
     def _read_value(self, w: _Wire, expected: ExpectedChunk,
                     dst: memoryview | None) -> memoryview | CorruptValue | None:
-        line = w.read_line()
+        # Buffer no more than the reply's line and header: a large payload is then read
+        # straight into its destination, not through the buffer (one copy less).
+        w.fill_limit = _HEAD_READ
+        try:
+            line = w.read_line()
+        finally:
+            w.fill_limit = _READ_BUF
         if line[:1] == b"-":
             raise _ReplyError(line[1:].decode(errors="replace"))
         if line[:1] != b"$":

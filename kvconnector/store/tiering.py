@@ -56,8 +56,8 @@ class RedisTier:
                                   out=[self.pool.slot_bytes(s) for s, _ in wanted])
         n = 0
         for (slot, key), payload in zip(wanted, got, strict=True):
-            if payload is not None:
-                self.pool.end_write(slot, key)
+            if payload is not None:  # checked by the codec (CRC32 or MAC) before this
+                self.pool.end_write(slot, key, for_redis=False)  # Redis holds it
                 n += 1
         return n
 
@@ -80,13 +80,18 @@ class RedisTier:
 
     def _put(self, slot: int, key: ChunkKey) -> None:
         header = self.pool.header(slot)
-        if header is None or header.key != key:
+        if header is None or header.key != key or header.checksum is None:
             return  # the slot was reused before its turn came: nothing to copy
-        # If the slot is overwritten while it is being sent, the value's checksum no longer
-        # matches its bytes and every reader rejects (and deletes) it.
+        # If the slot is overwritten while it is being sent, the value's checksum (taken
+        # when the slot was sealed) no longer matches its bytes and every reader rejects
+        # (and deletes) it.
         payload = self.pool.slot_bytes(slot)
         prefix = encode_header(self.expected(key), payload, crc32=header.checksum,
                                mac_key=self.redis.mac_key)
+        if self.pool.header(slot) is not header:
+            # Rewritten while the MAC was computed: the MAC would vouch for other bytes
+            # (a MAC check replaces the CRC check on reads).
+            return
         items = [(key, prefix, payload)]
         now = time.monotonic()
         if self.redis.stats.backoffs != self._backoffs_seen:  # Redis may have lost data

@@ -1,0 +1,134 @@
+"""A whole step's chunks between pool slots and paged KV on the host, in one pass.
+
+The step's chunks become runs of consecutive kernel blocks (a fresh request's blocks mostly
+are consecutive), and each run is one contiguous copy per layer, or one strided copy for all
+layers when the layers are evenly spaced views of one allocation (vLLM's CPU cache). Measured
+on CPU pages (docs/benchmarks.md): the per-chunk advanced-indexing scatter of ``reference``
+was ~3x slower than one ``index_copy_`` per layer, which is itself slower than these copies.
+``reference`` stays the ground truth the tests compare against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvconnector.layout import LayerLayout
+
+
+@dataclass(frozen=True)
+class Run:
+    """Kernel blocks ``first .. first + count - 1`` of the chunks in ``slots`` consecutive
+    slots from ``slot`` <-> ``slots * count`` consecutive blocks of every layer from
+    ``block``."""
+
+    slot: int
+    first: int
+    block: int
+    count: int
+    slots: int = 1
+
+
+def block_runs(chunks: Iterable[tuple[int, Sequence[int]]]) -> list[Run]:
+    """Runs of ``(slot, kernel block ids of its chunk)``; ids of -1 are skipped. Chunks in
+    consecutive slots with consecutive blocks (a request stored and loaded whole, in an
+    unfragmented pool and cache) merge into one run."""
+    out: list[Run] = []
+    for slot, ids in chunks:
+        j, n = 0, len(ids)
+        while j < n:
+            b = ids[j]
+            if b < 0:
+                j += 1
+                continue
+            end = j + 1
+            while end < n and ids[end] == b + end - j:
+                end += 1
+            prev = out[-1] if out else None
+            if (prev is not None and prev.first == j and prev.count == end - j
+                    and slot == prev.slot + prev.slots
+                    and b == prev.block + prev.slots * prev.count):
+                out[-1] = Run(prev.slot, j, prev.block, prev.count, prev.slots + 1)
+            else:
+                out.append(Run(slot, j, b, end - j))
+            j = end
+    return out
+
+
+def _stacked(layers: Sequence[torch.Tensor], layout: LayerLayout) -> torch.Tensor | None:
+    """All layers as one ``[L, K, blocks, n, H, D]`` view, if they are evenly spaced views of
+    one storage with the same strides; else None."""
+    first = layers[0]
+    if len(layers) < 2:
+        return layout.view(first)[None]
+    step = layers[1].data_ptr() - first.data_ptr()
+    item = first.element_size()
+    if step <= 0 or step % item:
+        return None
+    for i, t in enumerate(layers):
+        if (t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.data_ptr() != first.data_ptr() + i * step or t.stride() != first.stride()):
+            return None
+    return torch.as_strided(first, (len(layers), *layout.sizes), (step // item, *layout.strides),
+                            first.storage_offset())
+
+
+class PagedCopier:
+    """Copies runs between a pool ``[slots, L, K, tokens, H, D]`` and host KV layers."""
+
+    def __init__(self, layers: Sequence[torch.Tensor], layout: LayerLayout) -> None:
+        self.layout = layout
+        self.layers = list(layers)
+        self._stack = _stacked(self.layers, layout)
+        self._views = [layout.view(t) for t in self.layers]
+
+    def _pairs(self, pool: torch.Tensor, runs: Sequence[Run]
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        k, _, n, h, d = self.layout.sizes
+        paged: list[torch.Tensor] = []
+        chunk: list[torch.Tensor] = []
+        stacks = [self._stack] if self._stack is not None else [v[None] for v in self._views]
+        for li, stack in enumerate(stacks):
+            layers = stack.shape[0]
+            lo = li if self._stack is None else 0
+            for r in runs:
+                m, c = r.slots, r.count
+                paged.append(stack[:, :, r.block:r.block + m * c].view(layers, k, m, c, n, h, d))
+                src = pool[r.slot:r.slot + m, lo:lo + layers, :, r.first * n:(r.first + c) * n]
+                chunk.append(src.view(m, layers, k, c, n, h, d).permute(1, 2, 0, 3, 4, 5, 6))
+        return paged, chunk
+
+    def _check(self, pool: torch.Tensor, runs: Sequence[Run]) -> None:
+        blocks = self.layout.num_blocks
+        for r in runs:
+            last = r.block + r.slots * r.count - 1
+            if not (0 <= r.block and last < blocks):
+                raise IndexError(f"blocks {r.block}..{last} outside the {blocks} kernel "
+                                 "blocks of the KV cache")
+            if not (0 <= r.slot and r.slot + r.slots <= pool.shape[0]):
+                raise IndexError(f"slots {r.slot}..{r.slot + r.slots - 1} outside the pool")
+
+    def scatter(self, pool: torch.Tensor, runs: Sequence[Run]) -> None:
+        """Chunk bytes -> paged blocks."""
+        self._check(pool, runs)
+        paged, chunk = self._pairs(pool, runs)
+        _copy_all(paged, chunk)
+
+    def gather(self, pool: torch.Tensor, runs: Sequence[Run]) -> None:
+        """Paged blocks -> chunk bytes (blocks of the chunks not in a run are untouched)."""
+        self._check(pool, runs)
+        paged, chunk = self._pairs(pool, runs)
+        _copy_all(chunk, paged)
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    if not dst:
+        return
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        foreach(dst, src)
+        return
+    for a, b in zip(dst, src, strict=True):
+        a.copy_(b)

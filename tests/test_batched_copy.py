@@ -1,0 +1,92 @@
+"""A step's chunks in one pass (``kernels/batched.py``) must move exactly the bytes the
+reference gather/scatter moves, for every layout vLLM ships, and nothing else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from layouts import FAMILIES, make_case
+
+from kvconnector.kernels import reference
+from kvconnector.kernels.batched import PagedCopier, Run, block_runs
+from kvconnector.layout import describe_layers
+
+BPC = 3  # kernel blocks per chunk
+# (slot, kernel block ids): consecutive, reversed, a hole, an all -1 chunk, a split run
+CHUNKS = [(4, [0, 1, 2]), (1, [7, 6, 5]), (0, [3, -1, 4]), (2, [-1, -1, -1]), (3, [8, 9, 11])]
+
+
+def _setup(family: str, dtype: torch.dtype, seed: int = 0):
+    case = make_case(family, dtype=dtype, num_blocks=12, seed=seed)
+    layout = describe_layers({f"l{i}": t for i, t in enumerate(case.layers)},
+                             **case.describe_kw)
+    return case.layers, layout
+
+
+def _pool(layers, layout, slots: int = 5) -> torch.Tensor:
+    shape = (slots, len(layers), *layout.chunk_shape(BPC))
+    return torch.randn(shape).to(layout.dtype) if layout.dtype.is_floating_point else \
+        torch.randint(0, 255, shape, dtype=layout.dtype)
+
+
+def _ids(chunks) -> torch.Tensor:
+    return torch.tensor([ids for _, ids in chunks], dtype=torch.int64)
+
+
+# Consecutive slots with consecutive blocks: one run for 3 chunks, then a partial chunk.
+WHOLE = [(1, [0, 1, 2]), (2, [3, 4, 5]), (3, [6, 7, 8]), (4, [9, 10, -1])]
+
+
+def test_runs_merge_consecutive_blocks_and_skip_holes():
+    assert block_runs(CHUNKS) == [
+        Run(4, 0, 0, 3), Run(1, 0, 7, 1), Run(1, 1, 6, 1), Run(1, 2, 5, 1), Run(0, 0, 3, 1),
+        Run(0, 2, 4, 1), Run(3, 0, 8, 2), Run(3, 2, 11, 1)]
+    assert block_runs(WHOLE) == [Run(1, 0, 0, 3, slots=3), Run(4, 0, 9, 2)]
+
+
+@pytest.mark.parametrize("chunks", [CHUNKS, WHOLE], ids=["scattered", "whole"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8], ids=str)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_scatter_equals_reference(family, dtype, chunks):
+    want, layout = _setup(family, dtype)
+    got, _ = _setup(family, dtype)
+    pool = _pool(want, layout)
+    slots = [s for s, _ in chunks]
+    reference.scatter(pool[slots], layout, _ids(chunks), want)
+    PagedCopier(got, layout).scatter(pool, block_runs(chunks))
+    for w, g in zip(want, got, strict=True):
+        assert torch.equal(w, g)  # written blocks equal, untouched blocks untouched
+
+
+@pytest.mark.parametrize("chunks", [CHUNKS, WHOLE], ids=["scattered", "whole"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gather_equals_reference(family, dtype, chunks):
+    layers, layout = _setup(family, dtype)
+    chunks = [c for c in chunks if any(b >= 0 for b in c[1])]
+    slots = [s for s, _ in chunks]
+    want = torch.zeros(len(chunks), len(layers), *layout.chunk_shape(BPC), dtype=dtype)
+    reference.gather(layers, layout, _ids(chunks), want)
+    pool = torch.zeros(5, len(layers), *layout.chunk_shape(BPC), dtype=dtype)
+    PagedCopier(layers, layout).gather(pool, block_runs(chunks))
+    assert torch.equal(pool[slots], want)  # -1 blocks stay zero in both
+
+
+def test_layers_of_one_buffer_move_in_one_copy_per_run():
+    layers, layout = _setup("cpu-pages", torch.float32)
+    assert PagedCopier(layers, layout)._stack is not None
+    separate = [t.clone() for t in layers]  # not one buffer: one copy per layer and run
+    copier = PagedCopier(separate, layout)
+    assert copier._stack is None
+    pool = _pool(layers, layout)
+    copier.scatter(pool, block_runs(CHUNKS))
+    PagedCopier(layers, layout).scatter(pool, block_runs(CHUNKS))
+    assert all(torch.equal(a, b) for a, b in zip(layers, separate, strict=True))
+
+
+def test_out_of_range_blocks_are_refused():
+    layers, layout = _setup("cpu-pages", torch.float32)
+    with pytest.raises(IndexError):
+        PagedCopier(layers, layout).scatter(_pool(layers, layout), [Run(0, 0, 11, 2)])
+    with pytest.raises(IndexError):
+        PagedCopier(layers, layout).scatter(_pool(layers, layout), [Run(4, 0, 0, 1, slots=2)])

@@ -1,0 +1,213 @@
+"""Hits to the last full block, on the scheduler half alone, at 16-token blocks (GPU
+backends' size, which a real engine on the CPU build cannot run: it uses 128).
+
+Unit tests: ``SchedulerHalf`` is real; vLLM's Request, blocks and SchedulerOutput are small
+fakes carrying only the fields the connector reads. The same behaviour at the CPU build's
+128-token blocks is tested on real engines in test_engine.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import RequestStatus
+
+from kvconnector import compat
+from kvconnector.config import ConnectorConfig
+from kvconnector.keys import ChunkKey, Fingerprint, chunk_hashes, partial_chunk_hash
+from kvconnector.metadata import WorkerReport
+from kvconnector.scheduler import SchedulerHalf
+from tests.conftest import prompt
+
+BS, CHUNK = 16, 64  # 4 blocks per chunk
+FP = Fingerprint(model="m", revision="", model_config_digest="d", dtype="float32",
+                 kv_layout="chunk", block_size=BS, num_layers=1, num_kv_heads=2, head_size=8,
+                 tp_size=1, chunk_size=CHUNK, namespace="")
+
+
+class FakeRequest:
+    def __init__(self, rid: str, tokens: list[int]) -> None:
+        self.request_id = rid
+        self.all_token_ids = list(tokens)
+        self.num_prompt_tokens = len(tokens)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.cache_salt = None
+        self.lora_request = None
+        self.mm_features: list = []
+        self.prompt_embeds = None
+        self.pooling_params = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+
+def step_output(scheduled: dict[str, int], blocks: dict[str, list[int]],
+                new: dict[str, list[int]] | None = None) -> SimpleNamespace:
+    """The fields of vLLM's SchedulerOutput the connector reads."""
+    new = new or {}
+    return SimpleNamespace(
+        num_scheduled_tokens=scheduled,
+        kv_connector_block_state=SimpleNamespace(get_block_ids=lambda r: (blocks[r],)),
+        scheduled_new_reqs=[SimpleNamespace(block_ids=(ids,)) for ids in new.values()],
+        scheduled_cached_reqs=SimpleNamespace(new_block_ids=[], resumed_req_ids=set()),
+        new_block_ids_to_zero=None, kv_cache_block_copies=None)
+
+
+def blocks_of(ids: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(get_block_ids=lambda: (ids,))
+
+
+@pytest.fixture
+def half(monkeypatch) -> SchedulerHalf:
+    monkeypatch.setattr(compat, "fingerprint", lambda *a: FP)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=256, kv_cache_tensors=[],
+                       kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    config = ConnectorConfig(chunk_size=CHUNK, memory_capacity=64 * spec.real_page_size_bytes * 4)
+    return SchedulerHalf(config, vllm_config, kv)
+
+
+def run_request(half: SchedulerHalf, req: FakeRequest, block_ids: list[int], outputs: int,
+                status: RequestStatus = RequestStatus.FINISHED_LENGTH_CAPPED) -> list:
+    """Prefill in one step, decode ``outputs - 1`` steps, finish. Returns each step's plan."""
+    rid = req.request_id
+    n, ext = half.get_num_new_matched_tokens(req, 0)
+    half.update_state_after_alloc(req, blocks_of(block_ids), n)
+    req.status = RequestStatus.RUNNING
+    plans = [half.build_meta(step_output({rid: req.num_tokens - n}, {rid: block_ids},
+                                         {rid: block_ids}))]
+    req.num_computed_tokens = req.num_tokens
+    req.all_token_ids.append(7)
+    for i in range(outputs - 1):
+        plans.append(half.build_meta(step_output({rid: 1}, {rid: block_ids})))
+        req.num_computed_tokens += 1
+        req.all_token_ids.append(100 + i)
+    req.status = status
+    half.request_finished(req, block_ids)
+    return plans
+
+
+def saved(plans) -> list[tuple[int, list[int]]]:
+    return [(t.index, t.block_ids) for p in plans for t in p.saves]
+
+
+def test_prompt_and_finished_request_store_their_last_full_blocks(half):
+    a = FakeRequest("a", prompt(1, 100))  # 6 full blocks: chunk 0 and 2 blocks of chunk 1
+    plans = run_request(half, a, list(range(10, 18)), outputs=20)
+    # Prefill: chunk 0, then the prompt's 2 blocks of chunk 1; nothing while decoding.
+    assert saved(plans) == [(0, [10, 11, 12, 13]), (1, [14, 15, -1, -1])]
+    # Finished with 119 tokens computed (7 blocks): chunk 1's first 3 blocks, planned for
+    # the next step, since vLLM already took the blocks back.
+    assert half.has_pending_saves()
+    nxt = half.build_meta(step_output({}, {}, {"b": [16, 40]}))
+    assert [(t.index, t.block_ids) for t in nxt.finished_saves] == [(1, [14, 15, 16, -1])]
+    assert nxt.fence == {"a"}, "block 16 handed out again while its save is queued"
+    assert not half.has_pending_saves()
+    h = chunk_hashes(a.all_token_ids, CHUNK, FP.digest())[0]
+    assert nxt.finished_saves[0].chunk_hash == partial_chunk_hash(h, a.all_token_ids[64:112])
+
+
+def test_repeated_prompt_and_next_turn_reload_all_but_the_last_block(half):
+    a = FakeRequest("a", prompt(1, 100))
+    run_request(half, a, list(range(10, 18)), outputs=20)
+    half.build_meta(step_output({}, {}))
+    again = FakeRequest("again", prompt(1, 100))
+    assert half.get_num_new_matched_tokens(again, 0) == (96, False)  # 6 of 7 blocks
+    half.update_state_after_alloc(again, blocks_of(list(range(30, 37))), 96)
+    plan = half.build_meta(step_output({"again": 4}, {"again": list(range(30, 37))}))
+    assert [(t.index, t.block_ids) for t in plan.loads] == [
+        (0, [30, 31, 32, 33]), (1, [34, 35, -1, -1])]
+    # Turn 2: a's prompt and answer (120 tokens, 119 computed) and a new message.
+    turn2 = FakeRequest("turn2", a.all_token_ids + prompt(2, 10))
+    assert half.get_num_new_matched_tokens(turn2, 0) == (112, False)  # a's 7 full blocks
+
+
+def test_partial_keys_never_equal_full_chunk_keys():
+    tokens = prompt(3, 2 * CHUNK)
+    full = chunk_hashes(tokens, CHUNK, FP.digest())
+    assert partial_chunk_hash(full[0], tokens[CHUNK:]) != full[1]
+    assert partial_chunk_hash(full[0], tokens[CHUNK:CHUNK + BS]) != \
+        partial_chunk_hash(full[0], tokens[CHUNK:CHUNK + 2 * BS])
+
+
+def test_aborted_request_saves_nothing_at_finish(half):
+    a = FakeRequest("a", prompt(1, 100))
+    run_request(half, a, list(range(10, 18)), outputs=20, status=RequestStatus.FINISHED_ABORTED)
+    assert not half.has_pending_saves()
+
+
+def test_partial_needs_the_chunks_before_it(half):
+    a = FakeRequest("a", prompt(1, 100))
+    half.index.allocate(b"x" * 16)  # a full pool cannot store chunk 0 ...
+    half.index = type(half.index)(1)
+    half.index.allocate(b"x" * 16)
+    half.index.use(b"x" * 16)
+    plans = run_request(half, a, list(range(10, 18)), outputs=2)
+    assert saved(plans) == []  # ... so its partial (unreachable) is not stored either
+    assert not half.has_pending_saves()
+
+
+def test_failed_partial_load_is_not_offered_again(half):
+    run_request(half, FakeRequest("a", prompt(1, 100)), list(range(10, 18)), outputs=2)
+    half.build_meta(step_output({}, {}))
+    b = FakeRequest("b", prompt(1, 100))
+    assert half.get_num_new_matched_tokens(b, 0) == (96, False)
+    half.update_connector_output(SimpleNamespace(
+        kv_connector_worker_meta=WorkerReport(failed_loads={"b": 1})))
+    assert half.get_num_new_matched_tokens(b, 0) == (64, False)
+
+
+def test_outstanding_is_empty_after_the_finish_saves_ran(half):
+    run_request(half, FakeRequest("a", prompt(1, 100)), list(range(10, 18)), outputs=20)
+    assert half.outstanding()["planned_finished_saves"] == 1
+    half.build_meta(step_output({}, {}))
+    assert all(v == 0 for v in half.outstanding().values()), half.outstanding()
+
+
+class FakeRedis:
+    def __init__(self, keys: set[str]) -> None:
+        self.keys = keys
+        self.asked: list[list[str]] = []
+        self.gate = threading.Event()
+
+    def exists_many(self, keys, budget_s):
+        self.gate.wait(5)
+        self.asked.append([str(k) for k in keys])
+        return [str(k) in self.keys for k in keys]
+
+    def close(self) -> None:
+        pass
+
+
+def test_partial_chunk_found_in_redis(half):
+    tokens = prompt(1, 100)
+    h0 = chunk_hashes(tokens, CHUNK, FP.digest())[0]
+    stored = {str(ChunkKey(FP.digest(), 0, h0)),
+              str(ChunkKey(FP.digest(), 0, partial_chunk_hash(h0, tokens[64:80])))}
+    half.redis, half._lookups = FakeRedis(stored), ThreadPoolExecutor(1)
+    req = FakeRequest("r", tokens)
+    assert half.get_num_new_matched_tokens(req, 0) == (None, False)  # asked, not answered
+    half.redis.gate.set()
+    deadline = time.monotonic() + 5
+    while (answer := half.get_num_new_matched_tokens(req, 0))[0] is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert answer == (80, True)  # chunk 0 and 1 block of chunk 1, loaded asynchronously
+    assert len(half.redis.asked) == 1 and len(half.redis.asked[0]) == 3  # 1 full, 2 partial
+    half.update_state_after_alloc(req, blocks_of(list(range(7))), 80)
+    plan = half.build_meta(step_output({}, {}))
+    assert [(t.index, t.block_ids, t.from_redis) for t in plan.async_loads] == [
+        (0, [0, 1, 2, 3], True), (1, [4, -1, -1, -1], True)]
+    half._lookups.shutdown()

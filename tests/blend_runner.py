@@ -71,10 +71,11 @@ def _doc_slots(worker, doc_tokens: list[int]) -> list[int]:
             for h in doc.pieces]
 
 
-def _corrupt_doc(worker, doc_tokens: list[int], reseal: bool) -> int:
-    """Overwrite the KV of a stored document's pieces with noise (headers kept); ``reseal``
-    also fixes their checksums, so only the data is wrong (a control that loaded KV is
-    really used)."""
+def _damage_doc(worker, doc_tokens: list[int], how: str) -> int:
+    """Damage a stored document's memory slots. ``lose``: the slots no longer hold the
+    document (a failed save, a slot reused for another chunk), which the worker must
+    notice; ``noise``: its KV overwritten with noise, slot headers kept (bytes the memory
+    tier vouches for, so they are served: a control that loaded KV is really used)."""
     import torch
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -83,11 +84,12 @@ def _corrupt_doc(worker, doc_tokens: list[int], reseal: bool) -> int:
     for slot in _doc_slots(worker, doc_tokens):
         if slot is None:
             continue
-        data, _ = half.blend._piece(half.pool.slot(slot))
-        gen = torch.Generator().manual_seed(7)
-        data.copy_((torch.randn(data.shape, generator=gen) * 4).to(data.dtype))
-        if reseal:
-            half.pool.end_write(slot, half.pool.header(slot).key)
+        if how == "lose":
+            half.pool.begin_write(slot)  # never sealed again
+        else:
+            data, _ = half.blend._piece(half.pool.slot(slot))
+            gen = torch.Generator().manual_seed(7)
+            data.copy_((torch.randn(data.shape, generator=gen) * 4).to(data.dtype))
         n += 1
     return n
 
@@ -133,9 +135,8 @@ def main(spec_path: str, out_path: str) -> None:
             llm.collective_rpc(_drain_copies)  # count the saves queued so far
             per_rank = llm.collective_rpc(_worker_totals)
             results.append({k: sum(r.get(k, 0) for r in per_rank) for k in per_rank[0]})
-        elif op == "corrupt_doc":
-            results.append(llm.collective_rpc(
-                _corrupt_doc, args=(step["doc"], step.get("reseal", False)))[0])
+        elif op == "damage_doc":
+            results.append(llm.collective_rpc(_damage_doc, args=(step["doc"], step["how"]))[0])
         elif op == "layer0_rerotation":
             results.append(llm.collective_rpc(
                 _layer0_rerotation, args=(step["tokens"], step["p"], step["q"]))[0])
@@ -143,7 +144,8 @@ def main(spec_path: str, out_path: str) -> None:
             results.append(_stress(llm, step))
         elif op == "outstanding":
             results.append({"scheduler": _scheduler_outstanding(llm),
-                            "workers": llm.collective_rpc(_worker_outstanding)})
+                            "workers": llm.collective_rpc(_worker_outstanding,
+                                                          args=(step.get("drain", False),))})
         elif op == "flush":
             results.append(llm.collective_rpc(_flush_redis))
         else:

@@ -111,7 +111,7 @@ def blend_run(peaked_mistral, prompts, redis_server, tmp_path_factory):
         {"op": "generate", "prompts": [p.p2], "params": RATIO_1, "logprobs": 20},  # 2
         {"op": "generate", "prompts": [p.p3], "params": RATIO_0},  # 3
         {"op": "totals"},  # 4
-        {"op": "corrupt_doc", "doc": p.d2},  # 5: checksum no longer matches
+        {"op": "damage_doc", "doc": p.d2, "how": "lose"},  # 5: D2's slots lost
         {"op": "generate", "prompts": [p.p3], "params": RATIO_0},  # 6: D2 recomputed
         {"op": "totals"},  # 7
         {"op": "generate", "prompts": [p.p2, p.p2], "params": [  # 8: just run, no check
@@ -120,7 +120,7 @@ def blend_run(peaked_mistral, prompts, redis_server, tmp_path_factory):
         {"op": "generate", "prompts": [p.small]},  # 10: too few document tokens
         {"op": "totals"},  # 11
         {"op": "layer0_rerotation", "tokens": p.d1[:200], "p": 3, "q": 1500},  # 12
-        {"op": "corrupt_doc", "doc": p.d1, "reseal": True},  # 13: wrong data, valid crc
+        {"op": "damage_doc", "doc": p.d1, "how": "noise"},  # 13: wrong data, sealed
         {"op": "generate", "prompts": [p.p3], "params": RATIO_0},  # 14: control
         {"op": "flush"},  # 15
         {"op": "outstanding"},  # 16
@@ -186,16 +186,16 @@ def test_documents_at_their_stored_positions_with_ratio_0_give_identical_tokens(
         _blended(prompts.p2) + 3 * len(prompts.sep))
 
 
-def test_a_corrupt_document_is_recomputed_never_served(blend_run, baseline):
+def test_a_lost_document_is_recomputed_never_served(blend_run, baseline):
     before, after = blend_run[4], blend_run[7]
-    assert blend_run[5] == 2  # D2's two pieces overwritten
+    assert blend_run[5] == 2  # D2's two pieces lost
     assert _delta(after, before, "blend_doc_errors") == 1
     assert _delta(after, before, "load_errors") == 0  # the rest of the range was blended
     assert blend_run[6][0]["tokens"] == baseline["p3"]["tokens"]
 
 
 def test_loaded_document_kv_is_really_used(blend_run, baseline):
-    """Control: noise with a valid checksum changes the output, so the equalities above
+    """Control: noise in sealed slots changes the output, so the equalities above
     are not the engine quietly recomputing everything."""
     assert blend_run[14][0]["tokens"] != baseline["p3"]["tokens"]
 
@@ -204,7 +204,8 @@ def test_prompts_without_separators_or_enough_documents_use_prefix_reuse(blend_r
     before, after = blend_run[7], blend_run[11]
     plain1, plain2 = blend_run[9]
     assert plain1["tokens"] == plain2["tokens"] == baseline["plain"]["tokens"]
-    assert plain2["cached"] == 512 and _delta(after, before, "loaded_chunks") == 2
+    assert plain2["cached"] == 640  # two full chunks and a partial one of one block
+    assert _delta(after, before, "loaded_chunks") == 3
     small = blend_run[10][0]
     assert small["tokens"] == baseline["small"]["tokens"] and small["cached"] == 0
     assert _delta(after, before, "blend_requests") == 2  # only step 8's two
@@ -246,10 +247,39 @@ def test_a_second_engine_blends_documents_from_redis(blend_run, baseline, peaked
         assert math.isclose(out["logprobs"][t], lp, abs_tol=2e-4), t
 
 
+def test_a_document_corrupt_in_redis_is_recomputed_never_served(blend_run, baseline,
+                                                                 peaked_mistral, prompts,
+                                                                 redis_server,
+                                                                 tmp_path_factory):
+    """One flipped payload byte in every stored value: an engine with an empty memory tier
+    must catch each one on its fetch (and delete it), recompute the documents, and answer
+    as vLLM alone does, with full reuse (ratio 0) where nothing else would be recomputed."""
+    assert blend_run[15] == [True]
+    c = redis_server.client()
+    damaged = {}
+    for key in c.scan_iter(match=b"blend:*"):
+        value = c.get(key)
+        if value is not None and len(value) > 4096:  # chunk values, not descriptors
+            damaged[key] = value[:-1] + bytes([value[-1] ^ 0x01])
+            c.set(key, damaged[key])
+    assert len(damaged) >= 4
+    res = run_engine(tmp_path_factory.mktemp("blend-redis-corrupt"), {
+        "model": peaked_mistral, "max_model_len": MAX_LEN,
+        "connector": _blend_config(redis_server.url), "steps": [
+            {"op": "generate", "prompts": [prompts.p3], "params": RATIO_0},
+            {"op": "totals"}]}, runner="blend_runner.py", multiprocess=True, timeout=600)
+    out, totals = res[0][0], res[1]
+    assert out["tokens"] == baseline["p3"]["tokens"]
+    assert totals.get("blend_doc_errors", 0) >= 1, totals
+    assert totals.get("redis_loaded_chunks", 0) == 0, totals
+    # Each damaged value it fetched was deleted (and its document stored again, recomputed).
+    assert any(c.get(k) != v for k, v in damaged.items())
+
+
 def test_no_state_leaks_after_blends_preemptions_and_aborts(peaked_mistral, stress_prompts,
                                                             baseline, tmp_path_factory):
     steps = [{"op": "stress", "prompts": stress_prompts, "max_tokens": STRESS_TOKENS,
-              "abort_after_steps": 6}, {"op": "totals"}, {"op": "outstanding"}]
+              "abort_after_steps": 6}, {"op": "totals"}, {"op": "outstanding", "drain": True}]
     res = run_engine(tmp_path_factory.mktemp("blend-stress"), {
         "model": peaked_mistral, "kv_cache_bytes": 3 << 20, "max_model_len": 1024,
         "prefix_caching": True, "steps": steps,

@@ -23,7 +23,7 @@ from kvconnector import compat
 from kvconnector.blend.config import BlendConfig
 from kvconnector.blend.families import BlendUnsupported
 from kvconnector.blend.plan import BlendJob, DocLoad, DocSave, PieceLoad
-from kvconnector.blend.segments import Document, documents
+from kvconnector.blend.segments import Document, documents, piece_capacity
 from kvconnector.config import ConfigError
 from kvconnector.keys import ChunkKey
 
@@ -180,7 +180,15 @@ class BlendScheduler:
             self._held[request.request_id] = [p.chunk_hash for d in docs for p in d.pieces]
         br.blended = True
         self.half._requests[request.request_id].skip_reason = BLENDED
-        self.half.stats.add(hit_tokens=num_external_tokens)
+        cap = piece_capacity(self.half.config.chunk_size)
+        redis = sum(min(cap, d.length - j * cap) for d in docs
+                    for j, p in enumerate(d.pieces) if p.from_redis)
+        redis = min(redis, num_external_tokens)
+        memory = num_external_tokens - redis
+        self.half._hit_split[request.request_id] = (memory, redis)
+        by_tier = {"hit_tokens.memory": memory, "hit_tokens.redis": redis}
+        self.half.stats.add(hit_tokens=num_external_tokens,
+                            **{k: n for k, n in by_tier.items() if n})
         return True
 
     def build(self, plan: StepPlan, scheduler_output: SchedulerOutput) -> None:

@@ -120,7 +120,7 @@ def blend_run(peaked_mistral, prompts, redis_server, tmp_path_factory):
         {"op": "generate", "prompts": [p.small]},  # 10: too few document tokens
         {"op": "totals"},  # 11
         {"op": "layer0_rerotation", "tokens": p.d1[:200], "p": 3, "q": 1500},  # 12
-        {"op": "corrupt_doc", "doc": p.d1, "reseal": True},  # 13: wrong data, valid crc
+        {"op": "corrupt_doc", "doc": p.d1, "reseal": True},  # 13: wrong data, valid checksum
         {"op": "generate", "prompts": [p.p3], "params": RATIO_0},  # 14: control
         {"op": "flush"},  # 15
         {"op": "outstanding"},  # 16

@@ -10,6 +10,7 @@ the same thread as the forward):
 
 * ``per-chunk scatter (before)``: ``kernels.reference.scatter`` once per chunk, as the worker
   did before this benchmark existed, plus ``crc32`` of every chunk (the old memory check);
+  ``xxh3`` of every chunk: what that check would cost with today's checksum;
 * ``index_copy_ per layer``: the step's chunks gathered from the pool, then one
   ``index_copy_`` per layer;
 * ``runs (now)``: ``kernels/batched.py`` (block ids to runs, one strided copy per run);
@@ -38,6 +39,7 @@ from common import write_results  # noqa: E402
 from kvconnector.kernels import reference  # noqa: E402
 from kvconnector.kernels.batched import PagedCopier, block_runs  # noqa: E402
 from kvconnector.layout import describe_layers  # noqa: E402
+from kvconnector.store.codec import checksum  # noqa: E402
 
 BLOCK, CHUNK = 128, 256
 MODELS = {  # name: (layers, KV heads, head size)
@@ -86,6 +88,10 @@ def measure(layers: int, heads: int, head: int, tokens: int, repeats: int) -> di
         for slot, _ in plan:
             zlib.crc32(pool[slot].view(torch.uint8).reshape(-1).numpy())
 
+    def xxh3_only() -> None:
+        for slot, _ in plan:
+            checksum(pool[slot].view(torch.uint8).reshape(-1).numpy())
+
     def index_copy() -> None:
         slots = torch.tensor([s for s, _ in plan])
         idx = torch.tensor([b for _, ids in plan for b in ids])
@@ -104,6 +110,7 @@ def measure(layers: int, heads: int, head: int, tokens: int, repeats: int) -> di
 
     out = {"per-chunk scatter + crc32 (before)": median_ms(per_chunk, repeats),
            "  of which crc32": median_ms(crc_only, repeats),
+           "xxh3 of every chunk (a re-check now)": median_ms(xxh3_only, repeats),
            "index_copy_ per layer": median_ms(index_copy, repeats),
            "runs, in order (now)": median_ms(runs, repeats)}
     views, cache, layout, pool, plan = case(layers, heads, head, tokens, shuffled=True)

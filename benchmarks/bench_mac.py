@@ -4,12 +4,12 @@ chunks against unsigned ones, in one run.
     .venv/bin/python benchmarks/bench_mac.py [--sizes 256K,2M,32M] [--depth 4] \
         [--seconds 1] [--out docs/results/mac.json]
 
-Per chunk size: ``crc32`` (what every unsigned Redis read checks) and ``blake3 MAC`` (what a
-signed one checks instead), in GB/s on one core; then ``RedisStore.get_many`` of ``depth``
-chunks into caller buffers and ``put_many`` (header encoding included, as the worker's put
-thread does it: the CRC is known, a MAC is computed), with and without ``chunk_mac_key``,
-against a local redis-server. The ratio signed / unsigned is the MAC's cost where users
-feel it; ``--rounds`` repeats everything and reports medians.
+Per chunk size: ``xxh3`` (the checksum every unsigned Redis read checks) and ``blake3 MAC``
+(what a signed one checks instead), in GB/s on one core; then ``RedisStore.get_many`` of
+``depth`` chunks into caller buffers and ``put_many`` (header encoding included, as the
+worker's put thread does it: the checksum is known, a MAC is computed), with and without
+``chunk_mac_key``, against a local redis-server. The ratio signed / unsigned is the MAC's
+cost where users feel it; ``--rounds`` repeats everything and reports medians.
 """
 
 from __future__ import annotations
@@ -45,18 +45,18 @@ def bench_size(url: str, size: int, depth: int, seconds: float) -> dict:
     header = codec.check_header(codec.encode_header(exps[0], payloads[0], mac_key=MAC_KEY)[
         codec.PREFIX_LEN:], exps[0])
     out: dict = {
-        "crc32_GBps": gbps(lambda: codec.checksum(payloads[0]), size, seconds),
+        "xxh3_GBps": gbps(lambda: codec.checksum(payloads[0]), size, seconds),
         "mac_GBps": gbps(lambda: codec.check_payload(header, payloads[0], MAC_KEY), size,
                          seconds)}
     outs = [bytearray(size) for _ in range(depth)]
-    crcs = [codec.checksum(p) for p in payloads]
+    digests = [codec.checksum(p) for p in payloads]
     for name, key in (("unsigned", None), ("signed", MAC_KEY)):
         with RedisStore.from_url(url, key_prefix=f"bench-{name}", timeout_s=30.0,
                                  mac_key=key) as store:
             def put(key: bytes | None = key) -> None:
-                # As the worker's put thread: the CRC is known from the memory tier.
-                items = [(e.key, codec.encode_header(e, p, crc32=c, mac_key=key), p)
-                         for e, p, c in zip(exps, payloads, crcs, strict=True)]
+                # As the worker's put thread: the checksum is known from the memory tier.
+                items = [(e.key, codec.encode_header(e, p, xxh3=d, mac_key=key), p)
+                         for e, p, d in zip(exps, payloads, digests, strict=True)]
                 assert store.put_many(items) == depth
 
             def get():
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                       for _ in range(args.rounds)]
             report["results"][human(size)] = r = {
                 k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
-            print(f"{human(size):>8}  crc32 {r['crc32_GBps']:.2f} GB/s  MAC "
+            print(f"{human(size):>8}  xxh3 {r['xxh3_GBps']:.2f} GB/s  MAC "
                   f"{r['mac_GBps']:.2f} GB/s  get signed/unsigned {r['get_ratio']:.2f}  "
                   f"put signed/unsigned {r['put_ratio']:.2f}", flush=True)
     if args.out:

@@ -6,7 +6,7 @@
 Without ``--url`` a redis-server is started (tests/redis_server.py) and stopped at the end.
 For each value size and pipeline depth it measures, in the same run:
 
-* ``store``: RedisStore.put_many / get_many (get: the codec's checks, crc32 included, and
+* ``store``: RedisStore.put_many / get_many (get: the codec's checks, checksum included, and
   a new buffer per value; ``get-out``: into caller buffers, as a worker reading into a
   pinned pool would); ``exists`` for a 64-key prefix;
 * ``redis-benchmark``: ``-t set,get -c 1 -P <depth> -d <size>`` (one client, like a
@@ -102,7 +102,7 @@ def bench_store(url: str, size: int, depth: int, seconds: float, cluster: bool) 
 
         res = {"put": timed(put, depth, seconds), "get": timed(get, depth, seconds),
                "get-out": timed(get_out, depth, seconds)}
-        # encode cost (the caller's, done once per chunk): crc32 + msgpack header
+        # encode cost (the caller's, done once per chunk): checksum + msgpack header
         res["encode_header"] = timed(lambda: codec.encode_header(chunks[0][0], chunks[0][2]),
                                      1, min(seconds, 0.5))
         snap = store.snapshot()

@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass
 
 import msgpack
 
-FORMAT_VERSION = 1
+# Part of every key: a new stored format (2: XXH3-64 in store/codec.py) gets new keys, so
+# engines of two versions sharing a Redis never read, and delete, each other's values.
+FORMAT_VERSION = 2
 HASH_BYTES = 16
 PARTIAL_PERSON = b"kvc-partial"
 

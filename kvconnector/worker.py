@@ -233,7 +233,7 @@ class WorkerHalf:
             self._seal(t, None, start)
 
     def _seal(self, t: ChunkTransfer, copied: torch.cuda.Event | None, start: float) -> None:
-        """Mark the slot as holding ``t``'s chunk. Only values bound for Redis get a CRC:
+        """Mark the slot as holding ``t``'s chunk. Only values bound for Redis get a checksum:
         memory slots never leave this process (docs/architecture.md, "Integrity")."""
         assert self.pool is not None
         try:

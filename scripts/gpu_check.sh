@@ -25,7 +25,8 @@ fi
 missing=$("$PY" - <<'PYEOF'
 import importlib.util
 
-need = {"pytest": "pytest", "triton": "triton", "msgpack": "msgpack", "numpy": "numpy"}
+need = {"pytest": "pytest", "triton": "triton", "msgpack": "msgpack", "numpy": "numpy",
+        "blake3": "blake3", "xxhash": "xxhash"}  # the kernel tests import the codec
 if importlib.util.find_spec("vllm") is not None:  # the Mistral-7B tests will run
     need.update(transformers="transformers", mistral_common="mistral-common",
                 safetensors="safetensors", redis="redis", hiredis="hiredis",

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import zlib
 
+import msgpack
 import pytest
 
 from kvconnector.cli import main
@@ -128,6 +130,11 @@ def test_check_value_as_an_engine_would():
     assert check_value(key, good, None, None) is None  # no descriptor: held to itself
     flipped = good[:-1] + bytes([good[-1] ^ 1])
     assert check_value(key, flipped, desc, None).reason == "checksum"
+    old = msgpack.packb({"v": 1, "key": key, "layout": "kv", "dtype": "float32",
+                         "shape": [4, 256], "nbytes": len(payload), "crc32": zlib.crc32(payload)})
+    old_value = codec.PREFIX.pack(codec.MAGIC, len(old)) + old + payload  # format 1 (CRC32)
+    assert check_value(key, old_value, desc, None).reason == "version"
+    assert check_value(key, old_value, None, None).reason == "version"
     assert check_value(key, good[:-5], None, None).reason == "truncated"
     assert check_value(key[:-1] + "f", good, None, None).reason == "key"
     other = descriptor.decode(descriptor.encode(FP, ExpectedChunk("", "kv", "bfloat16",

@@ -99,7 +99,7 @@ def test_slot_holding_another_key_is_refused(fp32_run, fp32_baseline):
 def test_corrupt_value_in_redis_is_detected_and_recomputed(tiny_model, tmp_path_factory,
                                                            fp32_baseline):
     """Corruption where it can happen (bytes that left the process): one flipped payload
-    bit in a Redis value is caught by its CRC32, the value deleted, its blocks recomputed."""
+    bit in a Redis value is caught by its checksum, the value deleted, its blocks recomputed."""
     with RedisServer() as server:
         extra = {**MEM, "redis_url": server.url, "redis_lookup_budget_ms": 10_000}
         writer = run_engine(tmp_path_factory.mktemp("redis-flip-w"), {

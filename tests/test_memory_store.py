@@ -7,7 +7,7 @@ import torch
 
 from kvconnector.keys import ChunkKey
 from kvconnector.store import ChunkCorrupt, MemoryIndex, SlotPool
-from kvconnector.store.memory import checksum
+from kvconnector.store.codec import checksum
 
 
 def h(i: int) -> bytes:
@@ -98,20 +98,20 @@ def test_pool_round_trip_and_checks():
 
 def test_memory_reads_check_the_key_not_the_bytes():
     """Slot bytes never leave the worker process, so a read does not hash them again (the
-    CRC is taken at the seal, only for slots bound for Redis, whose readers check it)."""
+    checksum is taken at the seal, only for slots bound for Redis, whose readers check it)."""
     pool = SlotPool(1, (64,), torch.float32)
     buf = pool.begin_write(0)
     buf.copy_(torch.arange(64.0))
-    crc = checksum(buf)
-    pool.end_write(0, _key(1), crc)
-    assert pool.header(0).checksum == crc
+    digest = checksum(buf.numpy())
+    pool.end_write(0, _key(1), digest)
+    assert pool.header(0).checksum == digest
     pool.end_write(0, _key(1))
     assert pool.header(0).checksum is None
     assert torch.equal(pool.read(0, _key(1)), torch.arange(64.0))
     bound_for_redis = SlotPool(1, (64,), torch.float32, checksums=True)
     bound_for_redis.begin_write(0).copy_(torch.arange(64.0))
     bound_for_redis.end_write(0, _key(1))
-    assert bound_for_redis.header(0).checksum == crc
+    assert bound_for_redis.header(0).checksum == digest
     bound_for_redis.end_write(0, _key(1), for_redis=False)  # fetched from Redis
     assert bound_for_redis.header(0).checksum is None
 

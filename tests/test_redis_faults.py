@@ -32,7 +32,7 @@ def baseline(tiny_model, tmp_path_factory):
 
 def _forge(client, target_key: str, donor_key: str) -> None:
     """What anyone who can write to Redis can do: another chunk's value under the target's
-    key, its header rewritten to claim that key (the CRC still matches), no valid MAC."""
+    key, its header rewritten to claim that key (the checksum still matches), no valid MAC."""
     value = client.get(donor_key)
     prefix_len = codec.PREFIX_LEN + struct.unpack_from("<4sI", value)[1]
     header = msgpack.unpackb(value[codec.PREFIX_LEN:prefix_len])
@@ -133,7 +133,7 @@ def test_forged_value_is_refused_with_a_shared_secret(tampered, baseline):
     assert intact["cached"] == 2 * CHUNK  # signed values load
     assert intact["tokens"] == baseline[4]
     # Without the secret the same forgery is loaded and changes the answer: what the
-    # MAC is for (a CRC does not stop it).
+    # MAC is for (a checksum does not stop it).
     unsigned = reader[0][5]
     assert unsigned["cached"] == 2 * CHUNK and unsigned["tokens"] != baseline[-1]
 

@@ -8,6 +8,7 @@ import struct
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import msgpack
@@ -22,7 +23,7 @@ from redis_server import LatencyProxy, RedisClusterServers, RedisServer, free_po
 from kvconnector.keys import ChunkKey  # noqa: E402
 from kvconnector.store import codec  # noqa: E402
 from kvconnector.store.codec import CorruptValue, ExpectedChunk  # noqa: E402
-from kvconnector.store.memory import checksum as memory_checksum  # noqa: E402
+from kvconnector.store.memory import SlotPool  # noqa: E402
 from kvconnector.store.redis_store import RedisStore, redact_url  # noqa: E402
 
 FP = bytes.fromhex("00112233445566778899aabbccddeeff")
@@ -74,7 +75,7 @@ def item(exp: ExpectedChunk, payload) -> tuple[str, bytes, memoryview]:
 def header_dict(exp: ExpectedChunk, payload: bytes) -> dict:
     return {"v": codec.FORMAT_VERSION, "key": exp.key, "layout": exp.layout,
             "dtype": exp.dtype, "shape": list(exp.shape), "nbytes": exp.nbytes,
-            "crc32": codec.checksum(payload)}
+            "xxh3": codec.checksum(payload)}
 
 
 def raw_value(header: dict | bytes, payload: bytes, magic: bytes = codec.MAGIC,
@@ -103,7 +104,7 @@ def _variant(name: str, exp: ExpectedChunk, payload: bytes) -> bytes:
     if name == "header_not_map":
         return raw_value([1, 2, 3], payload)
     if name == "missing_field":
-        return raw_value({k: v for k, v in good.items() if k != "crc32"}, payload)
+        return raw_value({k: v for k, v in good.items() if k != "xxh3"}, payload)
     if name == "extra_field":
         return raw_value(dict(good, pickle="cos\nsystem\n"), payload)
     if name == "ill_typed":
@@ -112,6 +113,9 @@ def _variant(name: str, exp: ExpectedChunk, payload: bytes) -> bytes:
         return raw_value(dict(good, v=True), payload)
     if name == "version":
         return raw_value(dict(good, v=codec.FORMAT_VERSION + 1), payload)
+    if name == "crc32_format":  # as format version 1 wrote it
+        old = {k: v for k, v in good.items() if k != "xxh3"}
+        return raw_value(dict(old, v=1, crc32=zlib.crc32(payload)), payload)
     if name == "other_fingerprint":
         return raw_value(dict(good, key=exp.key.replace(FP.hex(), OTHER_FP.hex())), payload)
     if name == "layout":
@@ -139,6 +143,7 @@ VARIANTS = {  # variant -> reason
     "header_huge_str": "header_unpack", "header_not_map": "header_fields",
     "missing_field": "header_fields", "extra_field": "header_fields",
     "ill_typed": "header_fields", "bool_as_int": "header_fields", "version": "version",
+    "crc32_format": "version",
     "other_fingerprint": "key", "layout": "layout", "dtype": "dtype", "shape": "shape",
     "nbytes": "nbytes", "truncated": "truncated", "too_large": "too_large",
     "corrupt_byte": "checksum",
@@ -161,26 +166,46 @@ def test_codec_round_trip_and_layout():
 
 
 def test_codec_checksum_matches_memory_tier():
-    t = torch.randn(2, 16, 4, 8).to(torch.bfloat16)
+    t = torch.randn(2, 16, 4, 8, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     raw = t.view(torch.uint8).reshape(-1).numpy()
-    assert codec.checksum(raw) == memory_checksum(t)
+    assert codec.checksum(raw) == codec.checksum(bytes(raw)) == codec.checksum(memoryview(raw))
+    pool = SlotPool(1, tuple(t.shape), torch.bfloat16, checksums=True)
+    pool.begin_write(0).copy_(t)
+    pool.end_write(0, ChunkKey(FP, 0, bytes(16)))
+    sealed = pool.header(0).checksum
+    assert sealed == codec.checksum(raw) and sealed > 0xFFFFFFFF  # all 64 bits are kept
     exp = ExpectedChunk(chunk_key(3), "chunk", "bfloat16", tuple(t.shape), raw.nbytes)
-    # a known crc (the memory tier's) avoids reading the payload again
-    assert codec.encode_header(exp, crc32=memory_checksum(t)) == codec.encode_header(exp, raw)
+    # a known checksum (the memory tier's) avoids reading the payload again
+    assert codec.encode_header(exp, xxh3=sealed) == codec.encode_header(exp, raw)
     with pytest.raises(ValueError):
         codec.encode_header(exp, raw[:-1])
     with pytest.raises(ValueError):
         codec.encode_header(exp)
 
 
-@pytest.mark.parametrize("crc", [0, 0x7F, 0x80, 0xFFFF, 0x10000, 0xFFFFFFFF])
+def test_codec_checksum_catches_every_single_bit_flip_of_a_value():
+    """XXH3-64 does not promise this as a CRC does (any change escapes with a probability
+    of about 2**-64); every single-bit flip of one 64 KiB payload is checked anyway, and all
+    give distinct checksums."""
+    buf = bytearray(make_chunk(1, 64 * 1024, seed=1)[1])
+    seen = {codec.checksum(buf)}
+    for i in range(len(buf)):
+        for bit in range(8):
+            buf[i] ^= 1 << bit
+            seen.add(codec.checksum(buf))
+            buf[i] ^= 1 << bit
+    assert len(seen) == 1 + 8 * len(buf)
+
+
+@pytest.mark.parametrize("digest", [0, 0x7F, 0x80, 0xFF, 0x100, 0xFFFF, 0x10000, 0xFFFFFFFF,
+                                    0x100000000, 2**63, 2**64 - 1])
 @pytest.mark.parametrize("signed", [False, True])
-def test_codec_header_short_cut_agrees_with_the_full_check(crc, signed):
+def test_codec_header_short_cut_agrees_with_the_full_check(digest, signed):
     """Headers as encode_header writes them are checked by comparing bytes; the result must
     be what unpacking gives, and any other chunk's header must not pass."""
     exp, payload = make_chunk(5, 4096)
     header = codec.encode_header(exp, payload, mac_key=b"m" * 32) if signed else \
-        codec.encode_header(exp, crc32=crc)
+        codec.encode_header(exp, xxh3=digest)
     fields = msgpack.unpackb(header[codec.PREFIX_LEN:])
     assert codec._fast_header(header[codec.PREFIX_LEN:], exp) == fields
     assert codec.check_header(header[codec.PREFIX_LEN:], exp) == fields
@@ -243,7 +268,7 @@ def test_round_trip_tensors_into_out_buffers(store):
         raw = src[i].view(torch.uint8).reshape(-1).numpy()
         exp = ExpectedChunk(chunk_key(i), "chunk", "bfloat16", tuple(src[i].shape), raw.nbytes)
         exps.append(exp)
-        items.append((exp.key, codec.encode_header(exp, crc32=memory_checksum(src[i])),
+        items.append((exp.key, codec.encode_header(exp, xxh3=codec.checksum(raw)),
                       memoryview(raw)))
     assert store.put_many(items) == 4
     dst = torch.zeros_like(src)
@@ -409,8 +434,8 @@ def test_codec_mac_round_trip_and_forgery():
     exp, payload = make_chunk(5, 4096, seed=5)
     value = codec.encode(exp, payload, mac_key=MAC_KEY)
     assert bytes(codec.parse(value, exp, mac_key=MAC_KEY)) == payload
-    assert bytes(codec.parse(value, exp)) == payload  # readers without a key check the CRC
-    # What anyone with write access can make: right key and CRC, no (or a wrong) MAC.
+    assert bytes(codec.parse(value, exp)) == payload  # readers without a key check the checksum
+    # What anyone with write access can make: right key and checksum, no (or a wrong) MAC.
     forged = [codec.encode(exp, payload),
               codec.encode(exp, payload, mac_key=codec.mac_key(b"another-secret-16b")),
               value[:-1] + bytes([value[-1] ^ 1])]
@@ -426,7 +451,7 @@ def test_codec_mac_round_trip_and_forgery():
         codec.parse(signed_other, exp, mac_key=MAC_KEY)
     fields = msgpack.unpackb(signed_other[8:codec.PREFIX_LEN + struct.unpack_from(
         "<4sI", signed_other)[1]])
-    fields.update(key=exp.key, crc32=codec.checksum(other_payload))
+    fields.update(key=exp.key, xxh3=codec.checksum(other_payload))
     with pytest.raises(CorruptValue, match="mac"):
         codec.parse(raw_value(fields, other_payload), exp, mac_key=MAC_KEY)
     with pytest.raises(ValueError, match="at least 16"):

@@ -136,7 +136,7 @@ def _verify(args: argparse.Namespace, target: Target) -> int:
     else:
         print(f"{target.safe_url} (prefix {target.prefix!r}): checked {report.checked} values "
               f"({human_bytes(report.checked_bytes)}) in {time.monotonic() - start:.1f} s, "
-              f"{'MAC' if secret else 'CRC32'} checked")
+              f"{'MAC' if secret else 'checksum (XXH3-64)'} checked")
         for w in report.warnings:
             print(f"warning: {w}")
         if not report.problems:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvconnector.keys import ChunkKey
+from kvconnector.store.codec import checksum
 
 logger = logging.getLogger("kvconnector.store.memory")
 
@@ -120,11 +120,7 @@ class MemoryIndex:
 @dataclass(frozen=True)
 class SlotHeader:
     key: ChunkKey
-    checksum: int | None  # CRC32 of the bytes, for slots bound for Redis only
-
-
-def checksum(data: torch.Tensor) -> int:
-    return zlib.crc32(data.view(torch.uint8).numpy())
+    checksum: int | None  # XXH3-64 of the bytes (codec.checksum), slots bound for Redis only
 
 
 class SlotPool:
@@ -134,13 +130,13 @@ class SlotPool:
     key it holds; ``read`` refuses a slot sealed under another key, or not sealed at all
     (a write in progress or failed). Slot bytes are not re-checked on read: they never
     leave this process (docs/architecture.md, "Integrity"). A slot bound for Redis also
-    carries the CRC32 of its bytes, taken when it was sealed, for the value's header.
+    carries the checksum of its bytes, taken when it was sealed, for the value's header.
     """
 
     def __init__(self, num_slots: int, chunk_shape: Sequence[int], dtype: torch.dtype,
                  checksums: bool = False) -> None:
         pin = torch.cuda.is_available()
-        self.checksums = checksums  # slots are sent to Redis: seal them with their CRC32
+        self.checksums = checksums  # slots are sent to Redis: seal them with their checksum
         self.chunk_shape = tuple(chunk_shape)
         self.buffer = torch.empty((num_slots, *self.chunk_shape), dtype=dtype, pin_memory=pin)
         # Touch every page now: the capacity is really held from start-up, and the first
@@ -172,14 +168,14 @@ class SlotPool:
         self._headers[slot] = None
         return self.buffer[slot]
 
-    def end_write(self, slot: int, key: ChunkKey, crc: int | None = None, *,
+    def end_write(self, slot: int, key: ChunkKey, xxh3: int | None = None, *,
                   for_redis: bool = True) -> None:
-        """Seal a slot as holding ``key``. A pool with ``checksums`` takes the CRC32 of the
-        bytes now (or uses ``crc``), for the Redis header; ``for_redis=False``: the slot is
-        not to be sent (it came from Redis), so no CRC."""
-        if crc is None and self.checksums and for_redis:
-            crc = checksum(self.buffer[slot])
-        self._headers[slot] = SlotHeader(key, crc)
+        """Seal a slot as holding ``key``. A pool with ``checksums`` takes the checksum of
+        the bytes now (or uses ``xxh3``), for the Redis header; ``for_redis=False``: the slot
+        is not to be sent (it came from Redis), so no checksum."""
+        if xxh3 is None and self.checksums and for_redis:
+            xxh3 = checksum(self.buffer[slot].view(torch.uint8).reshape(-1).numpy())
+        self._headers[slot] = SlotHeader(key, xxh3)
 
     def header(self, slot: int) -> SlotHeader | None:
         return self._headers[slot]

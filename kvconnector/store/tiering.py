@@ -56,7 +56,7 @@ class RedisTier:
                                   out=[self.pool.slot_bytes(s) for s, _ in wanted])
         n = 0
         for (slot, key), payload in zip(wanted, got, strict=True):
-            if payload is not None:  # checked by the codec (CRC32 or MAC) before this
+            if payload is not None:  # checked by the codec (checksum or MAC) before this
                 self.pool.end_write(slot, key, for_redis=False)  # Redis holds it
                 n += 1
         return n
@@ -86,11 +86,11 @@ class RedisTier:
         # when the slot was sealed) no longer matches its bytes and every reader rejects
         # (and deletes) it.
         payload = self.pool.slot_bytes(slot)
-        prefix = encode_header(self.expected(key), payload, crc32=header.checksum,
+        prefix = encode_header(self.expected(key), payload, xxh3=header.checksum,
                                mac_key=self.redis.mac_key)
         if self.pool.header(slot) is not header:
             # Rewritten while the MAC was computed: the MAC would vouch for other bytes
-            # (a MAC check replaces the CRC check on reads).
+            # (a MAC check replaces the checksum check on reads).
             return
         items = [(key, prefix, payload)]
         now = time.monotonic()

@@ -22,12 +22,12 @@ and, when the writer has a MAC key (``mac_key``), one more:
 The checksum catches accidents (a bit flipped in memory or on the wire, a value cut
 short). XXH3-64 hashes about 100 GB/s on one core here, zlib's CRC32 6 GB/s. Unlike a CRC
 it does not guarantee to catch every single-bit flip, but any given change of the payload
-escapes it with a probability of about 2**-64 (xxHash issue 229). Format version 1 carried
-a CRC32 (field ``crc32``); its values live under other keys (``keys.FORMAT_VERSION``), and
-one read all the same fails the version check: a miss. The checksum does not stop anyone
-who can write to Redis: a forged value under another chunk's key with a matching checksum
-passes every other check. A reader with a MAC key accepts only values whose MAC it can
-verify, so only holders of the secret can place chunks it will load.
+escapes it with a probability of about 2**-64 (Cyan4973/xxHash issue 229). Format version 1
+carried a CRC32 (field ``crc32``); its values live under other keys
+(``keys.FORMAT_VERSION``), and one read all the same fails the version check: a miss. The
+checksum does not stop anyone who can write to Redis: a forged value under another chunk's
+key with a matching checksum passes every other check. A reader with a MAC key accepts only
+values whose MAC it can verify, so only holders of the secret can place chunks it will load.
 
 The header goes first so that the payload can be sent as its own buffer, never copied into
 one joined value (``encode_header``), and so that a reader can check everything but the

@@ -122,7 +122,8 @@ def main(spec_path: str, out_path: str) -> None:
               kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
               enable_prefix_caching=spec.get("prefix_caching", False),
               max_model_len=spec.get("max_model_len", 4096), enforce_eager=True, seed=0,
-              max_logprobs=spec.get("max_logprobs", 20))
+              max_logprobs=spec.get("max_logprobs", 20),
+              disable_log_stats=not spec.get("log_stats", False))
     if spec.get("connector") is not None:
         kw["kv_transfer_config"] = connector_config(spec["connector"])
     llm = LLM(**kw)
@@ -148,6 +149,9 @@ def main(spec_path: str, out_path: str) -> None:
                                                           args=(step.get("drain", False),))})
         elif op == "flush":
             results.append(llm.collective_rpc(_flush_redis))
+        elif op == "cached_by_source":  # vLLM's own metric, needs "log_stats"
+            results.append({m.labels["source"]: m.value for m in llm.get_metrics()
+                            if m.name == "vllm:prompt_tokens_cached_by_source" and m.value})
         else:
             raise ValueError(f"unknown step {op}")
     json.dump(results, open(out_path, "w"))

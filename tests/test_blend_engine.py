@@ -235,10 +235,13 @@ def test_a_second_engine_blends_documents_from_redis(blend_run, baseline, peaked
     assert blend_run[15] == [True]
     res = run_engine(tmp_path_factory.mktemp("blend-redis"), {
         "model": peaked_mistral, "max_model_len": MAX_LEN,
-        "connector": _blend_config(redis_server.url), "steps": [
+        "connector": _blend_config(redis_server.url), "log_stats": True, "steps": [
             {"op": "generate", "prompts": [prompts.p2], "params": RATIO_1, "logprobs": 20},
-            {"op": "totals"}]}, runner="blend_runner.py", multiprocess=True, timeout=600)
-    out, totals = res[0][0], res[1]
+            {"op": "totals"}, {"op": "cached_by_source"}]},
+        runner="blend_runner.py", multiprocess=True, timeout=600)
+    out, totals, sources = res[0][0], res[1], res[2]
+    # vLLM's per-tier count: the documents came from Redis (vLLM's label for it: "disk").
+    assert sources.get("disk", 0) > 0 and sum(sources.values()) == out["cached"], sources
     assert totals["redis_loaded_chunks"] >= 1 + 2 + 2 + 1
     assert totals.get("blend_doc_errors", 0) == 0
     assert totals["blend_requests"] == 1 and out["cached"] >= 1024

@@ -21,7 +21,8 @@ from tests.engine_runner import (  # noqa: E402
     _stress,
     _worker_outstanding,
     _worker_totals,
-    connector_config,
+    cached_by_source,
+    engine_kwargs,
 )
 
 
@@ -118,15 +119,7 @@ def main(spec_path: str, out_path: str) -> None:
     spec = json.load(open(spec_path))
     from vllm import LLM
 
-    kw = dict(model=spec["model"], dtype=spec.get("dtype", "float32"),
-              kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
-              enable_prefix_caching=spec.get("prefix_caching", False),
-              max_model_len=spec.get("max_model_len", 4096), enforce_eager=True, seed=0,
-              max_logprobs=spec.get("max_logprobs", 20),
-              disable_log_stats=not spec.get("log_stats", False))
-    if spec.get("connector") is not None:
-        kw["kv_transfer_config"] = connector_config(spec["connector"])
-    llm = LLM(**kw)
+    llm = LLM(**engine_kwargs(spec, max_logprobs=spec.get("max_logprobs", 20)))
     results: list = []
     for step in spec["steps"]:
         op = step["op"]
@@ -149,9 +142,8 @@ def main(spec_path: str, out_path: str) -> None:
                                                           args=(step.get("drain", False),))})
         elif op == "flush":
             results.append(llm.collective_rpc(_flush_redis))
-        elif op == "cached_by_source":  # vLLM's own metric, needs "log_stats"
-            results.append({m.labels["source"]: m.value for m in llm.get_metrics()
-                            if m.name == "vllm:prompt_tokens_cached_by_source" and m.value})
+        elif op == "cached_by_source":
+            results.append(cached_by_source(llm))
         else:
             raise ValueError(f"unknown step {op}")
     json.dump(results, open(out_path, "w"))

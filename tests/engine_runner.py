@@ -299,19 +299,31 @@ def _redis_server(port: int, action: str) -> bool:
     return True
 
 
-def _main(spec_path: str, out_path: str) -> None:
-    spec = json.load(open(spec_path))
-    os.environ.update(spec.get("env", {}))  # e.g. secrets the connector config names
-    from vllm import LLM, SamplingParams
-
+def engine_kwargs(spec: dict, **overrides) -> dict:
+    """vLLM ``LLM`` arguments from a test spec (each runner's own on top)."""
     kw = dict(model=spec["model"], dtype=spec.get("dtype", "float32"),
               kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
               enable_prefix_caching=spec.get("prefix_caching", False),
               max_model_len=spec.get("max_model_len", 4096), enforce_eager=True, seed=0,
               disable_log_stats=not spec.get("log_stats", False))
+    kw.update(overrides)
     if spec.get("connector") is not None:
         kw["kv_transfer_config"] = connector_config(spec["connector"])
-    llm = LLM(**kw)
+    return kw
+
+
+def cached_by_source(llm) -> dict:
+    """vLLM's own per-tier count of cached prompt tokens (needs the spec's "log_stats")."""
+    return {m.labels["source"]: m.value for m in llm.get_metrics()
+            if m.name == "vllm:prompt_tokens_cached_by_source" and m.value}
+
+
+def _main(spec_path: str, out_path: str) -> None:
+    spec = json.load(open(spec_path))
+    os.environ.update(spec.get("env", {}))  # e.g. secrets the connector config names
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(spec))
     results = []
     for step in spec["steps"]:
         op = step["op"]
@@ -372,9 +384,8 @@ def _main(spec_path: str, out_path: str) -> None:
         elif op == "scheduler_attr":
             results.append(getattr(llm.llm_engine.engine_core.engine_core.scheduler,
                                    step["name"]))
-        elif op == "cached_by_source":  # vLLM's own metric, needs "log_stats"
-            results.append({m.labels["source"]: m.value for m in llm.get_metrics()
-                            if m.name == "vllm:prompt_tokens_cached_by_source" and m.value})
+        elif op == "cached_by_source":
+            results.append(cached_by_source(llm))
         elif op == "sleep_wake":
             llm.sleep(level=step.get("level", 1))
             results.append(llm.wake_up())

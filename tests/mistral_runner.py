@@ -20,7 +20,7 @@ from tests.engine_runner import (  # noqa: E402
     _redis_keys,
     _redis_stats,
     _worker_totals,
-    connector_config,
+    engine_kwargs,
 )
 
 
@@ -60,14 +60,10 @@ def main(spec_path: str, out_path: str) -> None:
     spec = json.load(open(spec_path))
     from vllm import LLM, SamplingParams
 
-    kw = dict(model=spec["model"], dtype=spec.get("dtype", "bfloat16"),
-              kv_cache_memory_bytes=spec["kv_cache_bytes"],
-              load_format=spec.get("load_format", "auto"),
-              enable_prefix_caching=False, max_model_len=spec.get("max_model_len", 4096),
-              enforce_eager=True, seed=0)
-    if spec.get("connector") is not None:
-        kw["kv_transfer_config"] = connector_config(spec["connector"])
-    llm = LLM(**kw)
+    llm = LLM(**engine_kwargs(spec, dtype=spec.get("dtype", "bfloat16"),
+                              kv_cache_memory_bytes=spec["kv_cache_bytes"],
+                              load_format=spec.get("load_format", "auto"),
+                              enable_prefix_caching=False))
     results: list = []
     for step in spec["steps"]:
         op = step["op"]

@@ -174,7 +174,7 @@ class SlotPool:
         the bytes now (or uses ``xxh3``), for the Redis header; ``for_redis=False``: the slot
         is not to be sent (it came from Redis), so no checksum."""
         if xxh3 is None and self.checksums and for_redis:
-            xxh3 = checksum(self.buffer[slot].view(torch.uint8).reshape(-1).numpy())
+            xxh3 = checksum(self.slot_bytes(slot))
         self._headers[slot] = SlotHeader(key, xxh3)
 
     def header(self, slot: int) -> SlotHeader | None:

@@ -40,7 +40,8 @@ def parse_args() -> argparse.Namespace:
                                    "offline in .cache/)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--doc-words", type=int, default=400, help="words per document")
-    p.add_argument("--strategy", default="cacheblend", choices=["cacheblend", "epic"])
+    p.add_argument("--strategy", default="attention",
+                   choices=["attention", "cacheblend", "epic"])
     p.add_argument("--ratio", type=float, default=0.15, help="blend_recompute_ratio")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--memory-capacity", default="2GiB", help="kvconnector host memory")
@@ -100,7 +101,7 @@ def main() -> None:
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     llm.generate([{"prompt_token_ids": tokenizer.encode("warm up")}], sp, use_tqdm=False)
     print(f"\nmodel {args.model or 'tiny Mistral (random weights)'}, strategy {args.strategy}"
-          + (f" {args.ratio}" if args.strategy == "cacheblend" else ""))
+          + (f" {args.ratio}" if args.strategy != "epic" else ""))
     for i, ids in enumerate(requests, 1):
         start = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]

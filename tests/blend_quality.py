@@ -18,9 +18,12 @@ SEP = [4, 5]  # token ids that random documents below never contain
 
 STRATEGIES: dict[str, dict] = {
     "full reuse (ratio 0)": {"blend_recompute_ratio": 0.0},
-    "cacheblend 0.05": {"blend_recompute_ratio": 0.05},
-    "cacheblend 0.15": {"blend_recompute_ratio": 0.15},
-    "cacheblend 0.3": {"blend_recompute_ratio": 0.3},
+    "cacheblend 0.05": {"blend_strategy": "cacheblend", "blend_recompute_ratio": 0.05},
+    "cacheblend 0.15": {"blend_strategy": "cacheblend", "blend_recompute_ratio": 0.15},
+    "cacheblend 0.3": {"blend_strategy": "cacheblend", "blend_recompute_ratio": 0.3},
+    "attention 0.05": {"blend_strategy": "attention", "blend_recompute_ratio": 0.05},
+    "attention 0.15": {"blend_strategy": "attention", "blend_recompute_ratio": 0.15},
+    "attention 0.3": {"blend_strategy": "attention", "blend_recompute_ratio": 0.3},
     "epic (32 tokens)": {"blend_strategy": "epic", "blend_epic_tokens": 32},
     "ratio 1.0": {"blend_recompute_ratio": 1.0},
 }

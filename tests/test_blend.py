@@ -29,7 +29,7 @@ def test_blend_is_off_by_default_with_the_issues_defaults():
     assert cfg == BlendConfig()
     assert (cfg.enabled, cfg.separator, cfg.separator_ids, cfg.recompute_ratio,
             cfg.check_layer, cfg.strategy, cfg.epic_tokens, cfg.min_tokens) == (
-        False, " # # ", None, 0.15, 1, "cacheblend", 32, 256)
+        False, " # # ", None, 0.15, 1, "attention", 32, 256)
 
 
 def test_blend_keys_are_parsed():

@@ -114,8 +114,9 @@ def blend_run(peaked_mistral, prompts, redis_server, tmp_path_factory):
         {"op": "damage_doc", "doc": p.d2, "how": "lose"},  # 5: D2's slots lost
         {"op": "generate", "prompts": [p.p3], "params": RATIO_0},  # 6: D2 recomputed
         {"op": "totals"},  # 7
-        {"op": "generate", "prompts": [p.p2, p.p2], "params": [  # 8: just run, no check
-            {}, {"blend_strategy": "epic"}]},
+        {"op": "generate", "prompts": [p.p2] * 3 + [p.p3] * 2, "params": [  # 8
+            {}, {"blend_strategy": "cacheblend"}, {"blend_strategy": "epic"}, {},
+            {"blend_strategy": "cacheblend"}]},
         {"op": "generate", "prompts": [p.plain, p.plain]},  # 9: prefix reuse
         {"op": "generate", "prompts": [p.small]},  # 10: too few document tokens
         {"op": "totals"},  # 11
@@ -208,12 +209,15 @@ def test_prompts_without_separators_or_enough_documents_use_prefix_reuse(blend_r
     assert _delta(after, before, "loaded_chunks") == 3
     small = blend_run[10][0]
     assert small["tokens"] == baseline["small"]["tokens"] and small["cached"] == 0
-    assert _delta(after, before, "blend_requests") == 2  # only step 8's two
+    assert _delta(after, before, "blend_requests") == 5  # only step 8's five
 
 
-def test_strategies_run_and_serve_the_blended_range(blend_run):
-    default, epic = blend_run[8]
-    assert default["cached"] >= 1024 and epic["cached"] >= 1024
+def test_strategies_serve_the_blended_range(blend_run, baseline):
+    """Each strategy serves the range; at the stored positions (P3: the loaded K/V is what
+    a prefill computes) partial recomputes give vLLM's tokens too, so the picked tokens'
+    fresh K/V went where it belongs."""
+    assert all(r["cached"] >= 1024 for r in blend_run[8])
+    assert [r["tokens"] for r in blend_run[8][3:]] == [baseline["p3"]["tokens"]] * 2
 
 
 def test_rerotated_layer0_keys_equal_keys_computed_at_the_new_position(blend_run):
@@ -356,8 +360,8 @@ def test_quality_full_reuse_is_worse_than_blend_which_is_worse_than_recompute(
         tmp_path_factory):
     """On a model with peaked attention: the first-token distribution's distance from full
     prefill, per strategy, over many reordered-document prompts (printed; the benchmark
-    records it). Full reuse must be clearly worse than cacheblend at 0.15, and ratio 1.0
-    about zero."""
+    records it). Full reuse must be clearly worse than cacheblend at 0.15, the default
+    (attention at 0.15) within a third of full reuse's distance, and ratio 1.0 about zero."""
     from tests import blend_quality as q
 
     model = build_model(CACHE / "tiny-llama-peaked", tiny_tokenizer_dir(CACHE), arch="llama",
@@ -373,9 +377,12 @@ def test_quality_full_reuse_is_worse_than_blend_which_is_worse_than_recompute(
         runner="blend_runner.py", timeout=900)
     table = q.score(res, base)
     print("\n" + q.format_table(table))
-    reuse, blend, full = (table[k]["kl_mean"] for k in (
-        "full reuse (ratio 0)", "cacheblend 0.15", "ratio 1.0"))
+    reuse, blend, attention, full = (table[k]["kl_mean"] for k in (
+        "full reuse (ratio 0)", "cacheblend 0.15", "attention 0.15", "ratio 1.0"))
     assert full < 1e-4 and table["ratio 1.0"]["top1"] == 1.0
     assert blend < 0.8 * reuse
-    assert blend > 100 * full
+    assert min(blend, attention) > 100 * full
+    # The default strategy meets the issue's goal here: at most a third of full reuse's
+    # gap (measured 0.17 on these trials), and it beats the paper's selection.
+    assert attention <= reuse / 3 and attention < blend
     assert all(r["cached"] >= 512 for asked in res[1::2] for r in asked)  # all blended

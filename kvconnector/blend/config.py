@@ -10,7 +10,7 @@ from typing import Any
 
 logger = logging.getLogger("kvconnector.blend.config")
 
-STRATEGIES = ("cacheblend", "epic")
+STRATEGIES = ("cacheblend", "attention", "epic")
 
 #: Every config key this module owns, and the subset a request may override.
 BLEND_KEYS = frozenset({"blend", "blend_separator", "blend_separator_ids",
@@ -83,12 +83,16 @@ class BlendConfig:
     separator_ids: tuple[int, ...] | None = None
     """``blend_separator_ids``: the separator as token ids; wins over ``separator``."""
     recompute_ratio: float = 0.15
-    """``blend_recompute_ratio``: share of reused tokens recomputed (cacheblend)."""
+    """``blend_recompute_ratio``: share of reused tokens recomputed (attention,
+    cacheblend)."""
     check_layer: int = 1
-    """``blend_check_layer``: layer whose K/V deviation picks the tokens to recompute."""
-    strategy: str = "cacheblend"
-    """``blend_strategy``: "cacheblend" (top deviation at the check layer) or "epic" (the
-    first ``epic_tokens`` of every reused document)."""
+    """``blend_check_layer``: layer at which the tokens to recompute are picked (every
+    token is computed up to it)."""
+    strategy: str = "attention"
+    """``blend_strategy``: "attention" (the reused tokens the prompt's last tokens attend
+    to most at the check layer), "cacheblend" (the paper's: the reused tokens whose K/V
+    deviates most at the check layer) or "epic" (the first ``epic_tokens`` of every reused
+    document)."""
     epic_tokens: int = 32
     """``blend_epic_tokens``: tokens recomputed at the start of each document (epic)."""
     min_tokens: int = 256

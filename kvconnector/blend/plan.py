@@ -42,6 +42,7 @@ class BlendJob:
     recompute_ratio: float
     check_layer: int
     epic_tokens: int
+    tail_ids: list[int] = field(default_factory=list)  # the prompt's tokens after ``end``
     load_async: bool = False  # parked in WAITING_FOR_REMOTE_KVS: report in finished_recving
 
     @property

@@ -9,6 +9,10 @@ exact context):
   layer the fresh K/V of every token is compared with its loaded (re-rotated) K/V, and the
   ``ratio`` share of loaded tokens that deviate most join the recomputed set (ratio 0 is
   full reuse: no check layer, nothing else recomputed);
+- "attention": as cacheblend, but the tokens picked at the check layer are those the
+  prompt's last ``QUERY_WINDOW`` tokens attend to most (their attention summed over
+  queries and heads): the KV the question and the answer will read. The prompt's tail
+  after the range is computed up to the check layer for these queries only, never written;
 - "epic": the first ``epic_tokens`` tokens of every loaded document join it, from layer 0.
 
 From then on only the recomputed tokens are carried through the layers; their queries
@@ -31,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvconnector.blend.families import BlendModel
+from kvconnector.blend.families import BlendLayer, BlendModel
 from kvconnector.blend.pages import TokenPages
 from kvconnector.blend.plan import BlendJob
 from kvconnector.blend.rope import ReRotator
@@ -39,6 +43,10 @@ from kvconnector.blend.rope import ReRotator
 # Attention scores materialised per query chunk (elements): bounds the blend's memory.
 _SCORE_ELEMENTS = 1 << 24
 _SPAN = 512  # positions covered by one chunk of queries
+#: Prompt tokens whose queries pick the recomputed tokens ("attention"); a prompt's last
+#: tokens stand for the answer's queries. Measured on 3 to 6-layer test models: 1 to 8
+#: pick about equally well, 16 and more worse (docs/benchmarks.md section 7).
+QUERY_WINDOW = 8
 
 
 @dataclass
@@ -124,6 +132,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     return out.reshape(a, hq * d)
 
 
+def attention_mass(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, scale: float,
+                   window: int | None) -> torch.Tensor:
+    """``[T]``: the causal attention that queries ``[A, Hq, D]`` at positions ``q_pos``
+    pay each key of ``[T, Hkv, D]`` (positions ``0 .. T-1``), summed over queries and
+    heads."""
+    hq, hkv = q.shape[1], k.shape[1]
+    kk = k.float().repeat_interleave(hq // hkv, 1)
+    scores = torch.einsum("ahd,thd->hat", q.float(), kk) * scale
+    k_pos = torch.arange(k.shape[0], device=q.device)
+    mask = k_pos[None] <= q_pos[:, None]
+    if window is not None:
+        mask &= (q_pos[:, None] - k_pos[None]) < window
+    return scores.masked_fill(~mask, -math.inf).softmax(-1).sum((0, 1))
+
+
 @dataclass
 class BlendResult:
     tokens: int  # the range
@@ -135,6 +158,47 @@ class BlendResult:
 #: request's paged K/V (vLLM's own kernel where the platform has one).
 PagedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float,
                            "int | None"], torch.Tensor]
+
+
+class _Tail:
+    """The prompt's tokens after the range, carried up to the check layer only so that the
+    prompt's last queries can pick the tokens to recompute ("attention"); their K/V is
+    never written (vLLM computes these tokens itself)."""
+
+    def __init__(self, model: BlendModel, job: BlendJob) -> None:
+        dev = model.device
+        self.pos = torch.arange(job.end, job.end + len(job.tail_ids), device=dev)
+        self.h = model.embed(torch.tensor(job.tail_ids, dtype=torch.long, device=dev))
+        self.residual: torch.Tensor | None = None
+        self.q = self.k = self.v = self.h
+
+    def qkv(self, layer: BlendLayer) -> None:
+        x, self.residual = layer.norm_in(self.h, self.residual)
+        self.q, self.k, self.v = layer.qkv(x, self.pos)
+
+    def attend(self, layer: BlendLayer, ctx: torch.Tensor | None, kv: torch.Tensor,
+               scale: float, window: int | None) -> None:
+        if not self.pos.numel():
+            return
+        keys, values = self.keys(ctx, kv)
+        o = attend(self.q, keys, values, self.pos, scale, window)
+        self.h, self.residual = layer.post(o, self.residual)
+
+    def keys(self, ctx: torch.Tensor | None, kv: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the whole prompt: context, range, tail."""
+        parts = [ctx] if ctx is not None else []
+        keys = torch.cat([p[0] for p in parts] + [kv[0], self.k])
+        return keys, torch.cat([p[1] for p in parts] + [kv[1], self.v])
+
+    def mass(self, q: torch.Tensor, q_pos: torch.Tensor, ctx: torch.Tensor | None,
+             kv: torch.Tensor, start: int, scale: float, window: int | None) -> torch.Tensor:
+        """Per range token: the attention the prompt's last ``QUERY_WINDOW`` queries (of
+        the range's ``q`` at ``q_pos``, then the tail's) pay it."""
+        wq = torch.cat([q, self.q])[-QUERY_WINDOW:]
+        wpos = torch.cat([q_pos, self.pos])[-QUERY_WINDOW:]
+        keys, _ = self.keys(ctx, kv)
+        return attention_mass(wq, wpos, keys, scale, window)[start:start + kv.shape[1]]
 
 
 def run_blend(model: BlendModel, pages: TokenPages, job: BlendJob, sources: Sources,
@@ -160,6 +224,7 @@ def run_blend(model: BlendModel, pages: TokenPages, job: BlendJob, sources: Sour
         active = torch.arange(n, device=dev)
         if job.recompute_ratio < 1 and n_loaded:
             select_at = min(job.check_layer, g.num_layers - 1)
+    tail = _Tail(model, job) if select_at is not None and job.strategy == "attention" else None
     h = model.embed(tokens[active]) if active.numel() else None
     residual: torch.Tensor | None = None
     last = g.num_layers - 1
@@ -170,16 +235,23 @@ def run_blend(model: BlendModel, pages: TokenPages, job: BlendJob, sources: Sour
             continue
         x, residual = layer.norm_in(h, residual)
         q, k, v = layer.qkv(x, positions[active])
-        if li == select_at:
-            deviation = ((k.float() - kv[0].float()) ** 2).sum((1, 2)) + (
+        if li == select_at and tail is None:  # cacheblend: deviation from the loaded K/V
+            score = ((k.float() - kv[0].float()) ** 2).sum((1, 2)) + (
                 (v.float() - kv[1].float()) ** 2).sum((1, 2))
-            deviation[must] = math.inf
-            n_pick = n - n_loaded + math.ceil(job.recompute_ratio * n_loaded)
-            pick = torch.topk(deviation, n_pick).indices.sort().values
         kv[0, active], kv[1, active] = k, v
         pages.write(li, range_ids, kv)
+        ctx = pages.read(li, ctx_ids) if tail is not None and job.start else None
+        if tail is not None:
+            tail.qkv(layer)
+            if li == select_at:
+                score = tail.mass(q, positions, ctx, kv, job.start, g.scale, g.sliding_window)
+            else:
+                tail.attend(layer, ctx, kv, g.scale, g.sliding_window)
         if li == select_at:
-            q, residual, active = q[pick], residual[pick], active[pick]
+            score[must] = math.inf
+            n_pick = n - n_loaded + math.ceil(job.recompute_ratio * n_loaded)
+            pick = torch.topk(score, n_pick).indices.sort().values
+            q, residual, active, tail = q[pick], residual[pick], active[pick], None
             if not active.numel():
                 h = None
                 continue
@@ -191,7 +263,7 @@ def run_blend(model: BlendModel, pages: TokenPages, job: BlendJob, sources: Sour
         else:
             keys, values = kv[0], kv[1]
             if job.start:
-                ctx = pages.read(li, ctx_ids)
+                ctx = pages.read(li, ctx_ids) if ctx is None else ctx
                 keys, values = torch.cat([ctx[0], keys]), torch.cat([ctx[1], values])
             o = attend(q, keys, values, positions[active], g.scale, g.sliding_window)
         h, residual = layer.post(o, residual)

@@ -174,7 +174,7 @@ class BlendScheduler:
             request.request_id, start, end, list(request.prompt_token_ids[start:end]),
             list(blocks.get_block_ids()[0][:end // bs]), docs, br.config.strategy,
             br.config.recompute_ratio, br.config.check_layer, br.config.epic_tokens,
-            load_async)
+            list(request.prompt_token_ids[end:request.num_prompt_tokens]), load_async)
         self._jobs.append(job)
         if load_async:
             self._held[request.request_id] = [p.chunk_hash for d in docs for p in d.pieces]

@@ -205,14 +205,14 @@ def _redis_stats(worker) -> dict:
 
 
 def _redis_keys(llm, step: dict) -> list[list[str]]:
-    """The Redis key of every full chunk of each prompt (TP rank 0), for tests that tamper
-    with stored values."""
+    """The Redis key of every full chunk of each prompt (TP rank ``step["rank"]``, default
+    0), for tests that tamper with stored values."""
     from kvconnector.keys import ChunkKey, chunk_hashes, request_seed
 
     half = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
     seed = request_seed(half.fingerprint, None)
     prefix = half.config.redis_key_prefix
-    return [[f"{prefix}:{ChunkKey(half.fingerprint, 0, h)}"
+    return [[f"{prefix}:{ChunkKey(half.fingerprint, step.get('rank', 0), h)}"
              for h in chunk_hashes(p, half.config.chunk_size, seed)]
             for p in step["prompts"]]
 
@@ -306,6 +306,8 @@ def engine_kwargs(spec: dict, **overrides) -> dict:
               enable_prefix_caching=spec.get("prefix_caching", False),
               max_model_len=spec.get("max_model_len", 4096), enforce_eager=True, seed=0,
               disable_log_stats=not spec.get("log_stats", False))
+    if spec.get("tp", 1) > 1:  # one worker process per rank
+        kw.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
     kw.update(overrides)
     if spec.get("connector") is not None:
         kw["kv_transfer_config"] = connector_config(spec["connector"])

@@ -1,0 +1,100 @@
+"""Prefix reuse under tensor parallelism (TP=2, one worker process per rank on the CPU
+build): each rank stores and loads its own shard, in memory and through Redis; a shard that
+one rank cannot load costs a miss on every rank, never a mixed KV; an engine of another TP
+size never loads these shards."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.conftest import prompt, run_engine
+from tests.redis_server import RedisServer
+
+pytestmark = [pytest.mark.engine, pytest.mark.skipif(
+    (os.cpu_count() or 1) < 2, reason="TP=2 binds one core per rank: needs 2 cores")]
+
+TP2 = {"tp": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # one core per rank
+INTACT, DAMAGED = prompt(500, 700), prompt(501, 600)
+TIMEOUT_S = 300  # a request that never finishes ends the engine run here
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model, tmp_path_factory):
+    res = run_engine(tmp_path_factory.mktemp("tp-base"), {
+        **TP2, "model": tiny_model, "connector": None,
+        "steps": [{"op": "generate", "prompts": [INTACT, DAMAGED]}]}, timeout=TIMEOUT_S)
+    return [r["tokens"] for r in res[0]]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tmp_path_factory):
+    """A TP=2 engine stores both prompts (memory and Redis) and hits its memory; the test
+    damages rank 1's shard of DAMAGED's first chunk in Redis; a second TP=2 engine and a
+    TP=1 engine then ask Redis for both."""
+    with RedisServer() as server:
+        extra = {"memory_capacity": "64MiB", "redis_url": server.url,
+                 "redis_lookup_budget_ms": 10_000}
+        writer = run_engine(tmp_path_factory.mktemp("tp-writer"), {
+            **TP2, "model": tiny_model, "connector": extra, "steps": [
+                {"op": "generate", "prompts": [INTACT, DAMAGED]},  # 0
+                {"op": "generate", "prompts": [INTACT]},  # 1: memory hit
+                {"op": "totals"}, {"op": "flush"},  # 2, 3
+                {"op": "redis_keys", "prompts": [INTACT, DAMAGED], "rank": 0},  # 4
+                {"op": "redis_keys", "prompts": [INTACT, DAMAGED], "rank": 1}]},  # 5
+            timeout=TIMEOUT_S)
+        c = server.client()
+        rank0, rank1 = writer[4], writer[5]
+        present = [bool(c.exists(k)) for keys in rank0 + rank1 for k in keys]
+        c.set(rank1[1][0], c.get(rank1[0][0]))  # INTACT's shard under DAMAGED's key
+        reader = run_engine(tmp_path_factory.mktemp("tp-reader"), {
+            **TP2, "model": tiny_model, "connector": extra, "steps": [
+                {"op": "generate", "prompts": [INTACT, DAMAGED]}, {"op": "totals"}]},
+            timeout=TIMEOUT_S)
+        tp1 = run_engine(tmp_path_factory.mktemp("tp1-reader"), {
+            "model": tiny_model, "connector": extra, "steps": [
+                {"op": "generate", "prompts": [INTACT]}, {"op": "totals"}]},
+            timeout=TIMEOUT_S)
+        return writer, present, reader, tp1
+
+
+def test_each_rank_stores_its_shard_and_memory_hits_give_the_same_tokens(runs, baseline):
+    writer, present, _, _ = runs
+    assert [r["tokens"] for r in writer[0]] == baseline
+    assert writer[1][0]["tokens"] == baseline[0]
+    assert writer[1][0]["cached"] == 640  # two full chunks and a partial one of one block
+    assert writer[2]["loaded_chunks"] == 2 * 3  # both ranks, three chunks each
+    assert all(present), "every chunk of both prompts in Redis, for both ranks"
+
+
+def test_another_engine_loads_both_shards_from_redis(runs, baseline):
+    _, _, reader, _ = runs
+    intact = reader[0][0]
+    assert intact["tokens"] == baseline[0] and intact["cached"] == 640
+    assert reader[1]["redis_loaded_chunks"] >= 2 * 3
+
+
+def test_a_shard_one_rank_cannot_load_costs_a_miss_on_every_rank(runs, baseline):
+    """Rank 0 loads DAMAGED's first chunk, rank 1 refuses it: the request is recomputed,
+    never served with rank 0's loaded KV beside rank 1's recomputed one."""
+    _, _, reader, _ = runs
+    damaged = reader[0][1]
+    assert damaged["tokens"] == baseline[1]
+    assert damaged["cached"] == 0
+    assert reader[1]["load_errors"] >= 1
+
+
+def test_an_engine_of_another_tp_size_never_loads_these_shards(runs, baseline):
+    _, _, _, tp1 = runs
+    assert tp1[0][0]["cached"] == 0
+    assert tp1[1].get("redis_loaded_chunks", 0) == 0
+
+
+def test_blend_refuses_tp2_at_start_up(tiny_model, tmp_path_factory):
+    with pytest.raises(RuntimeError) as e:
+        run_engine(tmp_path_factory.mktemp("tp-blend"), {
+            **TP2, "model": tiny_model, "connector": {"blend": True}, "steps": []},
+            timeout=TIMEOUT_S)
+    assert "blend is on but cannot serve this engine" in str(e.value)
+    assert "tensor parallelism (TP=2) is not supported yet" in str(e.value)

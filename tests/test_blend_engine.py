@@ -311,28 +311,36 @@ def test_qwen2_blends_exactly_after_vllms_own_hit_and_moves_documents_exactly(
     Ratio 1.0 after vLLM's own hit on the shared system prompt and first document (which
     the blend reads as context) equals full prefill. With one layer, K and V depend on the
     token and its position only, so full reuse (ratio 0) of documents moved to new
-    positions equals full prefill too exactly when re-rotation is right."""
+    positions equals full prefill too exactly when re-rotation is right, and so does any
+    partial recompute (the default selection is run after vLLM's hit)."""
     model = build_model(CACHE / "tiny-qwen2-1layer", tiny_tokenizer_dir(CACHE), arch="qwen2",
                         num_layers=1, qk_scale=4.0)
     p = Prompts(sep)
     rng, avoid = random.Random(5), set(sep)
     ask = _join([p.s1, p.d1, p.d3, p.d2, _tokens(rng, 50, avoid)], sep)
     moved = _join([p.s2, p.d3, p.d2, p.d1, _tokens(rng, 50, avoid)], sep)
+    # vLLM's hit on S1 D1 D2, then S2 and D3 moved, blended by the default selection: the
+    # prompt's tail and its last queries read vLLM's hit as context.
+    picked = _join([p.s1, p.d1, p.d2, p.s2, p.d3, _tokens(rng, 50, avoid)], sep)
     steps = [{"op": "generate", "prompts": [p.p1]},
              {"op": "generate", "prompts": [ask], "params": RATIO_1, "logprobs": 20},
              {"op": "generate", "prompts": [moved], "params": RATIO_0, "logprobs": 20},
+             {"op": "generate", "prompts": [picked], "logprobs": 20},
              {"op": "totals"}]
     spec = {"model": model, "max_model_len": MAX_LEN, "steps": steps, "prefix_caching": True}
     res = run_engine(tmp_path_factory.mktemp("qwen2"), {
         **spec, "connector": {**_blend_config(), "blend_check_layer": 0}},
         runner="blend_runner.py", timeout=600)
     base = run_engine(tmp_path_factory.mktemp("qwen2-base"), {
-        **spec, "connector": None, "steps": steps[1:3]}, runner="blend_runner.py", timeout=600)
-    totals = res[3]
+        **spec, "connector": None, "steps": steps[1:4]}, runner="blend_runner.py", timeout=600)
+    totals = res[4]
     shared = (len(p.s1) + len(sep) + len(p.d1)) // 128 * 128  # vLLM's own hit for ``ask``
-    assert totals["blend_requests"] == 2
-    assert totals["blend_tokens"] == _blended(ask) - shared + _blended(moved)
-    for out, ref, prompt_ids in ((res[1][0], base[0][0], ask), (res[2][0], base[1][0], moved)):
+    shared_picked = (len(p.s1) + len(p.d1) + len(p.d2) + 2 * len(sep)) // 128 * 128
+    assert totals["blend_requests"] == 3 and totals["load_errors"] == 0
+    assert totals["blend_tokens"] == (_blended(ask) - shared + _blended(moved)
+                                      + _blended(picked) - shared_picked)
+    for out, ref, prompt_ids in ((res[1][0], base[0][0], ask), (res[2][0], base[1][0], moved),
+                                 (res[3][0], base[2][0], picked)):
         assert out["cached"] == _blended(prompt_ids)
         assert out["tokens"] == ref["tokens"]
         for t, lp in ref["logprobs"].items():

@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import ROOT, write_results
+from common import ROOT, pyplot, write_results
 
 sys.path.insert(0, str(ROOT))
 
@@ -140,13 +140,8 @@ def quality(trials: int, tmp: Path) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     panels = [k for k in ("ttft", "quality") if k in result]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4))

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 import torch
-from common import ROOT, write_results
+from common import ROOT, pyplot, write_results
 
 sys.path.insert(0, str(ROOT))
 
@@ -166,13 +166,8 @@ def rest_kl(model: Model, pages: TokenPages, toks: list[int], end: int, n_prompt
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name, per_pos in result["kl_by_position"].items():

@@ -38,6 +38,7 @@ from common import (
     connector,
     engine,
     in_fresh_process,
+    pyplot,
     random_prompt,
     redis_for,
     resolve_model,
@@ -193,13 +194,8 @@ def report(args, model: str, lengths: list[int], runs: dict, refused: dict) -> N
 
 
 def plot(path, model: str, lengths: list[int], table: dict) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
     for i, (name, per_len) in enumerate(table.items()):

@@ -19,6 +19,7 @@ from common import (
     connector,
     engine,
     in_fresh_process,
+    pyplot,
     random_prompt,
     redis_for,
     resolve_model,
@@ -95,13 +96,8 @@ def bench(args) -> None:
         print(f"  cached tokens, {k}: {per_len}")
     print(f"results: {out}")
     plot = args.plot or out.with_suffix(".png")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for k in names:

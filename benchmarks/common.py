@@ -144,6 +144,19 @@ def machine() -> dict:
     return info
 
 
+def pyplot():
+    """matplotlib's pyplot drawing to files, or None (said once) where it is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return None
+    return plt
+
+
 def write_results(path: Path | None, name: str, payload: dict) -> Path:
     path = path or ROOT / "docs" / "results" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

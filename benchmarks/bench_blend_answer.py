@@ -37,6 +37,7 @@ from kvconnector.blend.families import Geometry  # noqa: E402
 from kvconnector.blend.pages import TokenPages  # noqa: E402
 from kvconnector.blend.plan import BlendJob  # noqa: E402
 from kvconnector.blend.recompute import LoadedPiece, Sources, attend, run_blend  # noqa: E402
+from kvconnector.blend.segments import find_segments  # noqa: E402
 from kvconnector.layout import describe  # noqa: E402
 from tests import blend_quality  # noqa: E402
 from tests.blend_models import build_model, tiny_tokenizer_dir  # noqa: E402
@@ -102,17 +103,6 @@ class Model:
         return out.logits[0].log_softmax(-1), kv
 
 
-def segments(tokens: list[int]) -> list[tuple[int, int]]:
-    sep, out, s, i = blend_quality.SEP, [], 0, 0
-    while i < len(tokens):
-        if tokens[i:i + len(sep)] == sep:
-            out.append((s, i))
-            s = i = i + len(sep)
-        else:
-            i += 1
-    return out + [(s, len(tokens))]
-
-
 def answer_kl(model: Model, store: list[int], ask: list[int], n_answer: int
               ) -> dict[str, list[float]]:
     toks = list(ask)
@@ -120,10 +110,10 @@ def answer_kl(model: Model, store: list[int], ask: list[int], n_answer: int
         toks.append(int(model.logprobs(toks)[0][-1].argmax()))
     ref = model.logprobs(toks)[0][len(ask) - 1:-1]
     _, stored = model.logprobs(store)
-    at = {tuple(store[a:b]): a for a, b in segments(store)[:-1]}
+    at = {tuple(store[a:b]): a for a, b in find_segments(store, blend_quality.SEP)[:-1]}
     end = (len(ask) - 1) // BLOCK * BLOCK
     pieces, doc_starts = [], []
-    for a, b in segments(ask)[:-1]:
+    for a, b in find_segments(ask, blend_quality.SEP)[:-1]:
         p = at.get(tuple(ask[a:b]))
         if p is not None and a < end:
             data = torch.stack([kv[:, p:p + b - a] for kv in stored])

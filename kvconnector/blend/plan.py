@@ -42,7 +42,7 @@ class BlendJob:
     recompute_ratio: float
     check_layer: int
     epic_tokens: int
-    tail_ids: list[int] = field(default_factory=list)  # the prompt's tokens after ``end``
+    tail_ids: list[int]  # the prompt's tokens after ``end`` (at least its last one)
     load_async: bool = False  # parked in WAITING_FOR_REMOTE_KVS: report in finished_recving
 
     @property

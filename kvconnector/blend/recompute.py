@@ -44,8 +44,9 @@ from kvconnector.blend.rope import ReRotator
 _SCORE_ELEMENTS = 1 << 24
 _SPAN = 512  # positions covered by one chunk of queries
 #: Prompt tokens whose queries pick the recomputed tokens ("attention"); a prompt's last
-#: tokens stand for the answer's queries. Measured on 3 to 6-layer test models: 1 to 8
-#: pick about equally well, 16 and more worse (docs/benchmarks.md section 7).
+#: tokens stand for the answer's queries. On the test models 1 to 8 are within 0.03 on the
+#: first token and the whole answer, 16 and more worse (docs/benchmarks.md section 7); a
+#: few queries are kept as a steadier signal than one.
 QUERY_WINDOW = 8
 
 
@@ -170,7 +171,9 @@ class _Tail:
         self.pos = torch.arange(job.end, job.end + len(job.tail_ids), device=dev)
         self.h = model.embed(torch.tensor(job.tail_ids, dtype=torch.long, device=dev))
         self.residual: torch.Tensor | None = None
-        self.q = self.k = self.v = self.h
+        self.q: torch.Tensor  # this layer's, set by ``qkv``
+        self.k: torch.Tensor
+        self.v: torch.Tensor
 
     def qkv(self, layer: BlendLayer) -> None:
         x, self.residual = layer.norm_in(self.h, self.residual)
@@ -178,8 +181,6 @@ class _Tail:
 
     def attend(self, layer: BlendLayer, ctx: torch.Tensor | None, kv: torch.Tensor,
                scale: float, window: int | None) -> None:
-        if not self.pos.numel():
-            return
         keys, values = self.keys(ctx, kv)
         o = attend(self.q, keys, values, self.pos, scale, window)
         self.h, self.residual = layer.post(o, self.residual)
@@ -235,7 +236,7 @@ def run_blend(model: BlendModel, pages: TokenPages, job: BlendJob, sources: Sour
             continue
         x, residual = layer.norm_in(h, residual)
         q, k, v = layer.qkv(x, positions[active])
-        if li == select_at and tail is None:  # cacheblend: deviation from the loaded K/V
+        if li == select_at and job.strategy == "cacheblend":  # deviation from the loaded K/V
             score = ((k.float() - kv[0].float()) ** 2).sum((1, 2)) + (
                 (v.float() - kv[1].float()) ** 2).sum((1, 2))
         kv[0, active], kv[1, active] = k, v

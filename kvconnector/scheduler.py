@@ -161,8 +161,11 @@ class SchedulerHalf:
             answer = self._redis_prefix(st, hashes, in_memory, cap)
             if answer is None:
                 return None
-            full += answer[0]
-            if full == n and answer[1]:
+            # Every chunk fetched from Redis lands in a slot of its own this step: a hit
+            # larger than the free slots would fail its last chunks and recompute them.
+            room = max(0, self.index.num_slots - self.index.pinned - in_memory)
+            full += min(answer[0], room)
+            if full == n and answer[1] and room > answer[0]:
                 k = answer[1]
                 ph = self._partial_hash(st, n, k)
         mk, mh = self._memory_partial(st, full, cap)
@@ -323,8 +326,6 @@ class SchedulerHalf:
                 self._plan_partial_save(st, req_id, done_after_step, block_ids, plan.saves)
         self.stats.add(**hit_tokens_by_tier(plan.loads + plan.async_loads, self.block_size))
         self.index.unpin_all()
-        if self.blend is not None:
-            self.blend.after_unpin()
         return plan
 
     def _plan_full_saves(self, st: RequestState, req_id: str, n_full: int,

@@ -73,7 +73,7 @@ class BlendScheduler:
                                   "tokens; give blend_separator_ids")
         self._requests: dict[str, BlendRequest] = {}
         self._jobs: list[BlendJob] = []
-        self._held: dict[str, list[bytes]] = {}  # parked blends: pieces kept pinned
+        self._held: dict[str, list[int]] = {}  # parked blends: slots their pieces are read from
         logger.info("kvconnector blend: separator token ids %s", self.separator)
 
     def _state(self, st: RequestState) -> BlendRequest:
@@ -176,8 +176,11 @@ class BlendScheduler:
             br.config.recompute_ratio, br.config.check_layer, br.config.epic_tokens,
             list(request.prompt_token_ids[end:request.num_prompt_tokens]), load_async)
         self._jobs.append(job)
-        if load_async:
-            self._held[request.request_id] = [p.chunk_hash for d in docs for p in d.pieces]
+        if load_async:  # read on the worker's main thread once fetched: held until then
+            slots = [p.slot for d in docs for p in d.pieces]
+            for slot in slots:
+                index.hold(slot)
+            self._held[request.request_id] = slots
         br.blended = True
         self.half._requests[request.request_id].skip_reason = BLENDED
         cap = piece_capacity(self.half.config.chunk_size)
@@ -227,21 +230,16 @@ class BlendScheduler:
                         req_id, doc.doc_hash, doc.start, doc.length,
                         block_ids[doc.start // bs:-(-doc.end // bs)], pieces))
 
-    def after_unpin(self) -> None:
-        """Pieces of parked blends stay pinned until the worker reports the request."""
-        for hashes in self._held.values():
-            for h in hashes:
-                if h in self.half.index:
-                    self.half.index.use(h)
-
     def update(self, output: KVConnectorOutput) -> None:
+        """The worker has blended these parked requests: their slots may be planned again."""
         for req_id in output.finished_recving or ():
-            self._held.pop(req_id, None)
+            for slot in self._held.pop(req_id, ()):
+                self.half.index.release(slot)
 
     def reset(self) -> None:
         """After a cache reset (new key seed, empty index): requests not started yet find
-        their documents again under the new seed. Planned blends still run; pieces
-        overwritten since are caught by their key and checksum and recomputed."""
+        their documents again under the new seed. Planned blends still run: the slots of
+        parked ones stay held (the index reuses them only once released)."""
         for req_id, br in list(self._requests.items()):
             if not br.request.num_computed_tokens and not br.blended:
                 del self._requests[req_id]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,8 +43,14 @@ class MemoryIndex:
 
     The scheduler owns placement so that both processes agree on it without shared memory:
     a chunk is listed from the step its save is planned, and a worker executes its steps in
-    order, so any later load finds the bytes in place. Slots of loads planned in the
-    current step are pinned until the step's metadata is built.
+    order, so any later load finds the bytes in place.
+
+    A slot is pinned from the moment a step's plan names it (a save or fetch into it, a
+    load out of it) until that plan is built: one plan never names a slot for two chunks,
+    which would have the worker write both into it and seal each under its own key.
+    ``hold`` keeps a slot out of every plan for longer (a parked blend reads its slots on
+    the worker's main thread, outside the copy thread's order), across evictions, drops and
+    cache resets alike: a slot forgotten while pinned or held is reused only once free.
     """
 
     def __init__(self, num_slots: int) -> None:
@@ -53,6 +60,8 @@ class MemoryIndex:
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # LRU first
         self._free = list(range(num_slots - 1, -1, -1))
         self._pinned: set[int] = set()
+        self._held: dict[int, int] = {}  # slot -> holders
+        self._forgotten: set[int] = set()  # no chunk, but pinned or held: not free yet
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -63,7 +72,10 @@ class MemoryIndex:
 
     @property
     def pinned(self) -> int:
-        return len(self._pinned)
+        return len(self._pinned) + len(self._held)
+
+    def _busy(self, slot: int) -> bool:
+        return slot in self._pinned or slot in self._held
 
     def count_prefix(self, hashes: Sequence[bytes]) -> int:
         """How many leading chunks are stored. No side effects (vLLM may ask repeatedly)."""
@@ -88,33 +100,60 @@ class MemoryIndex:
         self._slots.move_to_end(chunk_hash)
 
     def allocate(self, chunk_hash: bytes) -> int | None:
-        """A slot for a new chunk, evicting the least recently used unpinned one."""
+        """A slot for a new chunk, pinned for this step, evicting the least recently used
+        chunk whose slot no plan names. None when every slot is pinned or held."""
         if chunk_hash in self._slots:
             raise KeyError("chunk already stored")
         if self._free:
             slot = self._free.pop()
         else:
-            victim = next((h for h, s in self._slots.items() if s not in self._pinned), None)
+            victim = next((h for h, s in self._slots.items() if not self._busy(s)), None)
             if victim is None:
                 return None
             slot = self._slots.pop(victim)
             self.evictions += 1
         self._slots[chunk_hash] = slot
+        self._pinned.add(slot)
         return slot
+
+    def _release_slot(self, slot: int) -> None:
+        if self._busy(slot):
+            self._forgotten.add(slot)
+        else:
+            self._free.append(slot)
 
     def drop(self, chunk_hash: bytes) -> None:
         slot = self._slots.pop(chunk_hash, None)
         if slot is not None:
+            self._release_slot(slot)
+
+    def hold(self, slot: int) -> None:
+        """Keep ``slot`` out of every plan until ``release``, whatever happens to its chunk."""
+        self._held[slot] = self._held.get(slot, 0) + 1
+
+    def release(self, slot: int) -> None:
+        n = self._held.pop(slot, 0) - 1
+        if n > 0:
+            self._held[slot] = n
+        self._settle(slot)
+
+    def _settle(self, slot: int) -> None:
+        if slot in self._forgotten and not self._busy(slot):
+            self._forgotten.discard(slot)
             self._free.append(slot)
 
     def unpin_all(self) -> None:
-        self._pinned.clear()
+        pinned, self._pinned = self._pinned, set()
+        for slot in pinned:
+            self._settle(slot)
 
     def clear(self) -> None:
-        """Forget every chunk (a cache reset): all slots are free again."""
+        """Forget every chunk (a cache reset). Slots no plan names are free at once; the
+        others once their plan is built or their holder releases them."""
+        self._forgotten.update(s for s in self._slots.values() if self._busy(s))
         self._slots.clear()
-        self._free = list(range(self.num_slots - 1, -1, -1))
-        self._pinned.clear()
+        self._free = [s for s in range(self.num_slots - 1, -1, -1)
+                      if s not in self._forgotten]
 
 
 @dataclass(frozen=True)
@@ -129,8 +168,11 @@ class SlotPool:
     Pinned when CUDA is present (fast, asynchronous host copies). Every slot carries the
     key it holds; ``read`` refuses a slot sealed under another key, or not sealed at all
     (a write in progress or failed). Slot bytes are not re-checked on read: they never
-    leave this process (docs/architecture.md, "Integrity"). A slot bound for Redis also
-    carries the checksum of its bytes, taken when it was sealed, for the value's header.
+    leave this process (docs/architecture.md, "Integrity"), so nothing may write a slot
+    while another thread reads it: the copy thread runs the scheduler's plans in order,
+    and a Redis put reads its slot under a lease (``lease``) that ``begin_write`` waits for.
+    A slot bound for Redis also carries the checksum of its bytes, taken when it was
+    sealed, for the value's header.
     """
 
     def __init__(self, num_slots: int, chunk_shape: Sequence[int], dtype: torch.dtype,
@@ -145,16 +187,14 @@ class SlotPool:
         self.chunk_bytes = self.buffer[0].numel() * self.buffer.element_size()
         self.num_slots = num_slots
         self._headers: list[SlotHeader | None] = [None] * num_slots
+        self._leases = [0] * num_slots  # readers outside the copy thread (Redis puts)
+        self._lease_change = threading.Condition()
         logger.info("kvconnector memory pool: %d slots x %.1f MiB (%s, pinned=%s)",
                     num_slots, self.chunk_bytes / 2**20, dtype, pin)
 
     @property
     def capacity_bytes(self) -> int:
         return self.num_slots * self.chunk_bytes
-
-    @property
-    def used_slots(self) -> int:
-        return sum(h is not None for h in self._headers)
 
     def slot(self, slot: int) -> torch.Tensor:
         return self.buffer[slot]
@@ -164,9 +204,27 @@ class SlotPool:
         return memoryview(self.buffer[slot].view(torch.uint8).reshape(-1).numpy())
 
     def begin_write(self, slot: int) -> torch.Tensor:
-        """The slot's buffer, invalidated until ``end_write`` seals it."""
-        self._headers[slot] = None
+        """The slot's buffer, invalidated until ``end_write`` seals it; waits for the
+        leases still reading the slot's previous chunk."""
+        with self._lease_change:
+            self._headers[slot] = None
+            self._lease_change.wait_for(lambda: not self._leases[slot])
         return self.buffer[slot]
+
+    def lease(self, slot: int, key: ChunkKey) -> SlotHeader | None:
+        """Read ``slot`` from another thread while it holds ``key``: its header, and the
+        slot stays as it is until ``end_lease``; None (no lease) if it holds another key."""
+        with self._lease_change:
+            header = self._headers[slot]
+            if header is None or header.key != key:
+                return None
+            self._leases[slot] += 1
+            return header
+
+    def end_lease(self, slot: int) -> None:
+        with self._lease_change:
+            self._leases[slot] -= 1
+            self._lease_change.notify_all()
 
     def end_write(self, slot: int, key: ChunkKey, xxh3: int | None = None, *,
                   for_redis: bool = True) -> None:
@@ -193,6 +251,3 @@ class SlotPool:
             if header is not None and header.key == key:
                 return slot
         return None
-
-    def invalidate(self, slot: int) -> None:
-        self._headers[slot] = None

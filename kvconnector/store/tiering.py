@@ -79,19 +79,18 @@ class RedisTier:
         self._queue.task_done()
 
     def _put(self, slot: int, key: ChunkKey) -> None:
-        header = self.pool.header(slot)
-        if header is None or header.key != key or header.checksum is None:
+        header = self.pool.lease(slot, key)
+        if header is None:
             return  # the slot was reused before its turn came: nothing to copy
-        # If the slot is overwritten while it is being sent, the value's checksum (taken
-        # when the slot was sealed) no longer matches its bytes and every reader rejects
-        # (and deletes) it.
-        payload = self.pool.slot_bytes(slot)
-        prefix = encode_header(self.expected(key), payload, xxh3=header.checksum,
+        try:
+            if header.checksum is not None:
+                self._send(key, self.pool.slot_bytes(slot), header.checksum)
+        finally:
+            self.pool.end_lease(slot)
+
+    def _send(self, key: ChunkKey, payload: memoryview, xxh3: int) -> None:
+        prefix = encode_header(self.expected(key), payload, xxh3=xxh3,
                                mac_key=self.redis.mac_key)
-        if self.pool.header(slot) is not header:
-            # Rewritten while the MAC was computed: the MAC would vouch for other bytes
-            # (a MAC check replaces the checksum check on reads).
-            return
         items = [(key, prefix, payload)]
         now = time.monotonic()
         if self.redis.stats.backoffs != self._backoffs_seen:  # Redis may have lost data

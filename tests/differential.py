@@ -1,0 +1,140 @@
+"""Seeded random workloads for differential tests: prompts that share prefixes in random
+ways, asked in random batches with aborts, through engines with small memory tiers, Redis
+behind them or not, compared token for token with vLLM alone.
+
+``tests/test_differential.py`` runs a few seeds in CI; ``scripts/differential.py`` runs as
+many as time allows. A failure names its seed: ``workload(seed)`` rebuilds it exactly.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.conftest import run_engine
+
+CHUNK_BYTES = 256 << 10  # one 256-token chunk of the tiny test model (fp32)
+MAX_MODEL_LEN = 4096
+MAX_TOKENS = 24
+
+
+@dataclass
+class Workload:
+    seed: int
+    prompts: list[list[int]]
+    # Per engine: its spec (connector, KV budget, vLLM's prefix cache) and its batches of
+    # (prompt index, max_tokens, abort after that many steps or None).
+    engines: list[dict] = field(default_factory=list)
+    batches: list[list[list[tuple[int, int, int | None]]]] = field(default_factory=list)
+
+
+def _cut(rng: random.Random, n: int) -> int:
+    """Where a later prompt leaves an earlier one: on a chunk, on a block, or anywhere."""
+    kind = rng.random()
+    if kind < 0.5 and n >= 256:
+        return 256 * rng.randint(1, n // 256)
+    if kind < 0.75 and n >= 128:
+        return 128 * rng.randint(1, n // 128)
+    return rng.randint(1, n)
+
+
+def _prompts(rng: random.Random, n: int) -> list[list[int]]:
+    def fresh(k: int) -> list[int]:
+        return [rng.randrange(4, 400) for _ in range(k)]
+
+    limit = MAX_MODEL_LEN - MAX_TOKENS - 1
+    out: list[list[int]] = []
+    for _ in range(n):
+        r = rng.random()
+        if out and r < 0.6:  # shares a prefix with an earlier prompt, then goes its own way
+            parent = rng.choice(out)
+            p = parent[:_cut(rng, len(parent))] + fresh(rng.randint(1, 1500))
+        else:
+            p = fresh(rng.randint(200, 3000))
+        out.append(p[:limit])
+    return out
+
+
+def _engine(rng: random.Random, redis_url: str | None, prefix: str) -> dict:
+    """A connector engine: a memory tier of 1-6 chunks; Redis behind it or not."""
+    extra: dict = {"memory_capacity": CHUNK_BYTES * rng.randint(1, 6)}
+    if redis_url is not None:
+        extra.update(redis_url=redis_url, redis_key_prefix=prefix)
+    return {"connector": extra, "prefix_caching": rng.random() < 0.5,
+            # A small KV cache preempts requests of concurrent batches.
+            "kv_cache_bytes": rng.choice([64 << 20, 6 << 20]), "max_model_len": MAX_MODEL_LEN}
+
+
+def _batches(rng: random.Random, n_prompts: int, n_requests: int,
+             ) -> list[list[tuple[int, int, int | None]]]:
+    batches: list[list[tuple[int, int, int | None]]] = []
+    left = n_requests
+    while left:
+        size = min(left, rng.choice([1, 1, 2, 3, 4]))
+        batch = []
+        for _ in range(size):
+            abort = rng.randint(1, 6) if rng.random() < 0.1 else None
+            batch.append((rng.randrange(n_prompts), rng.randint(1, MAX_TOKENS), abort))
+        batches.append(batch)
+        left -= size
+    return batches
+
+
+def workload(seed: int, redis_url: str | None, n_prompts: int = 8, n_requests: int = 14,
+             n_engines: int = 3) -> Workload:
+    """Engines of seed ``seed``: each runs its own random sequence over the same prompts.
+    With ``redis_url``, about two in three share one Redis key prefix per seed (what one
+    engine stores, the next may load); the others have no Redis."""
+    rng = random.Random(seed)
+    w = Workload(seed, _prompts(rng, n_prompts))
+    for _ in range(n_engines):
+        url = redis_url if redis_url is not None and rng.random() < 0.67 else None
+        w.engines.append(_engine(rng, url, f"diff{seed}"))
+        w.batches.append(_batches(rng, n_prompts, n_requests))
+    return w
+
+
+def run(model: str, tmp: Path, w: Workload, timeout: int = 900) -> list[str]:
+    """Run the workload's engines and vLLM alone in one process; the differences, as
+    readable lines (empty: every finished request got vLLM alone's tokens)."""
+    longest = {i: max((mt for bs in w.batches for b in bs for j, mt, _ in b if j == i),
+                      default=1) for i in range(len(w.prompts))}
+    baseline = {"connector": None, "max_model_len": MAX_MODEL_LEN,
+                "batches": [[{"prompt": w.prompts[i], "max_tokens": mt}]
+                            for i, mt in sorted(longest.items())]}
+    engines = [baseline] + [
+        {**e, "batches": [[{"prompt": w.prompts[i], "max_tokens": mt, "abort_after": a}
+                           for i, mt, a in b] for b in bs]}
+        for e, bs in zip(w.engines, w.batches, strict=True)]
+    res = run_engine(tmp, {"model": model, "engines": engines, "timeout_s": timeout - 30},
+                     runner="differential_runner.py", timeout=timeout)
+    expected = {i: out[0]["tokens"] for (i, _), out in
+                zip(sorted(longest.items()), res[0]["outputs"], strict=True)}
+    problems = []
+    for n, (e, bs, r) in enumerate(zip(w.engines, w.batches, res[1:], strict=True)):
+        for b, (batch, outs) in enumerate(zip(bs, r["outputs"], strict=True)):
+            for (i, mt, abort), out in zip(batch, outs, strict=True):
+                if abort is None and out is None:
+                    problems.append(f"seed {w.seed} engine {n} batch {b}: prompt {i} never "
+                                    f"finished")
+                elif out is not None and out["tokens"] != expected[i][:mt]:
+                    problems.append(
+                        f"seed {w.seed} engine {n} ({e['connector']}, prefix_caching="
+                        f"{e['prefix_caching']}) batch {b}: prompt {i} ({len(w.prompts[i])} "
+                        f"tokens, {out['cached']} cached) gave {out['tokens']}, vLLM alone "
+                        f"{expected[i][:mt]}")
+        held = {k: v for k, v in r["outstanding"].get("scheduler", {}).items() if v}
+        held.update({k: v for wk in r["outstanding"].get("workers", []) for k, v in wk.items()
+                     if v})
+        if held:
+            problems.append(f"seed {w.seed} engine {n}: state left after the run: {held}")
+    return problems
+
+
+def cached_tokens(res_dir: Path) -> int:
+    """Tokens the connector engines of the last run got from a cache (vLLM's or ours)."""
+    import json
+
+    res = json.loads((res_dir / "out.json").read_text())
+    return sum(o["cached"] for r in res[1:] for outs in r["outputs"] for o in outs if o)

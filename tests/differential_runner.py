@@ -1,0 +1,106 @@
+"""Runs one workload through several real vLLM engines (CPU build), one after another in
+this process, and returns every engine's greedy tokens; used by the differential tests.
+
+Usage: python tests/differential_runner.py SPEC.json OUT.json. The spec names the model,
+a list of ``engines`` (``engine_runner.engine_kwargs`` specs without steps) and, per engine,
+the ``batches`` it runs: lists of requests ``{"prompt", "max_tokens", "abort_after"}``
+added together and stepped until done (``abort_after``: aborted after that many steps).
+One process for all engines: importing vLLM costs more than starting an engine in it.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from tests.engine_runner import (  # noqa: E402
+    _flush_redis,
+    _scheduler_outstanding,
+    _worker_outstanding,
+    _worker_totals,
+    engine_kwargs,
+)
+
+
+def run_batch(engine, batch: list[dict], tag: str, deadline: float) -> list[dict]:
+    """The batch's requests together; the finished ones' tokens and cached tokens."""
+    from vllm import SamplingParams
+
+    ids = [f"{tag}-{i}" for i in range(len(batch))]
+    for rid, r in zip(ids, batch, strict=True):
+        sp = SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True)
+        engine.add_request(rid, {"prompt_token_ids": r["prompt"]}, sp)
+    aborts: dict[int, list[str]] = {}
+    for rid, r in zip(ids, batch, strict=True):
+        if r.get("abort_after") is not None:
+            aborts.setdefault(r["abort_after"], []).append(rid)
+    done: dict[str, dict] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"requests of {tag} unfinished: {sorted(set(ids) - set(done))}")
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = {"tokens": list(o.outputs[0].token_ids),
+                                      "cached": o.num_cached_tokens or 0}
+        steps += 1
+        if steps in aborts:
+            engine.abort_request([r for r in aborts[steps] if r not in done])
+    return [None if batch[i].get("abort_after") is not None else done.get(rid)
+            for i, rid in enumerate(ids)]
+
+
+def _drain(llm) -> dict:
+    """Let finished requests' saves run (a server keeps stepping while they hold blocks),
+    then what the connector still holds: all zero once every request has finished."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    for _ in range(10_000):
+        if not scheduler.has_requests():
+            break
+        llm.llm_engine.step()
+    if scheduler.connector is None:
+        return {}
+    llm.collective_rpc(_worker_outstanding, args=(True,))  # the copies queue the puts
+    llm.collective_rpc(_flush_redis)
+    return {"scheduler": _scheduler_outstanding(llm),
+            "workers": llm.collective_rpc(_worker_outstanding, args=(True,))}
+
+
+def _totals(llm) -> dict:
+    if llm.llm_engine.engine_core.engine_core.scheduler.connector is None:
+        return {}
+    per_rank = llm.collective_rpc(_worker_totals)
+    return {k: sum(r[k] for r in per_rank) for k in per_rank[0]}
+
+
+def _close(llm) -> None:
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    ensure_kv_transfer_shutdown()
+    gc.collect()
+
+
+def main(spec_path: str, out_path: str) -> None:
+    spec = json.load(open(spec_path))
+    from vllm import LLM
+
+    results = []
+    deadline = time.monotonic() + spec.get("timeout_s", 600)
+    for n, eng in enumerate(spec["engines"]):
+        llm = LLM(**engine_kwargs({"model": spec["model"], **eng}))
+        outs = [run_batch(llm.llm_engine, batch, f"e{n}b{b}", deadline)
+                for b, batch in enumerate(eng["batches"])]
+        results.append({"outputs": outs, "outstanding": _drain(llm), "totals": _totals(llm)})
+        _close(llm)
+    json.dump(results, open(out_path, "w"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

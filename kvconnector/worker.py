@@ -113,8 +113,13 @@ class WorkerHalf:
     # ---- loads ----
     def load(self, plan: StepPlan) -> None:
         """Chunks this step's forward needs, in place before it starts."""
-        self.copies.wait_for_slots(t.slot for t in plan.loads)
-        self._load_chunks(plan.loads, on_copy_thread=False)
+        try:
+            self.copies.wait_for_slots(t.slot for t in plan.loads)
+            self._load_chunks(plan.loads, on_copy_thread=False)
+        except Exception:  # never the request, never the engine: a recompute
+            logger.exception("kvconnector: loading %d chunks failed", len(plan.loads))
+            for t in plan.loads:
+                self._load_failed(t, "error")
 
     def start_async_loads(self, plan: StepPlan) -> None:
         """One copy-thread job per parked request: fetch from Redis, then fill its blocks."""
@@ -139,6 +144,11 @@ class WorkerHalf:
                             load_seconds=elapsed)
                 self._observe(redis_fetch_seconds=elapsed)
             self._load_chunks(transfers, on_copy_thread=True)
+        except Exception:  # blocks that may not have been written are recomputed
+            logger.exception("kvconnector: loading request %s failed; its blocks will be "
+                             "recomputed", req_id)
+            for t in transfers:
+                self._load_failed(t, "error")
         finally:  # vLLM releases the request only once it is reported, failed or not
             with self._lock:
                 self._received.add(req_id)

@@ -175,6 +175,17 @@ def _fence_wait(worker) -> dict:
             "returned": not waiter.is_alive()}
 
 
+def _break_fetch(worker) -> bool:
+    """Make every later Redis fetch raise, as an unexpected bug in the store would."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    def fetch(wanted):
+        raise RuntimeError("injected: a fetch that raises")
+
+    get_kv_transfer_group().worker.redis_tier.fetch = fetch
+    return True
+
+
 def _scale_weight(worker, name: str, factor: float) -> bool:
     """Change the engine's weights in place, as an RL weight sync does."""
     import torch
@@ -377,6 +388,8 @@ def _main(spec_path: str, out_path: str) -> None:
         elif op == "sleep":
             time.sleep(step["seconds"])
             results.append(True)
+        elif op == "break_fetch":
+            results.append(llm.collective_rpc(_break_fetch))
         elif op == "scale_weight":
             results.append(llm.collective_rpc(_scale_weight,
                                               args=(step["name"], step["factor"])))

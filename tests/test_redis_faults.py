@@ -70,7 +70,9 @@ def tampered(tiny_model, tmp_path_factory):
         with_secret = run_engine(tmp_path_factory.mktemp("faults-signed"), {
             "model": tiny_model, "connector": signed, "env": env, "steps": [
                 {"op": "generate", "prompts": [FORGED, INTACT]},
-                {"op": "redis_stats"}]}, timeout=TIMEOUT_S)
+                {"op": "redis_stats"}, {"op": "totals"}, {"op": "break_fetch"},
+                {"op": "generate", "prompts": [PARKED[0]]}, {"op": "totals"}]},
+            timeout=TIMEOUT_S)
         _forge(c, keys[-1][0], keys[4][0])  # the engine above replaced it with its own
         reader = run_engine(tmp_path_factory.mktemp("faults-reader"), {
             "model": tiny_model, "connector": extra, "steps": [
@@ -125,9 +127,18 @@ def test_keys_expiring_while_the_request_waits(tiny_model, tmp_path_factory, bas
     assert stats["misses"] >= 2 and totals["load_errors"] >= 1
 
 
+def test_a_fetch_that_raises_costs_a_recompute(tampered, baseline):
+    """An exception anywhere on a load's path reports the request's blocks as failed:
+    before, the request was reported received with blocks that were never written."""
+    _, _, with_secret = tampered
+    before, (out,), after = with_secret[2], with_secret[4], with_secret[5]
+    assert out["cached"] == 0 and out["tokens"] == baseline[5]
+    assert after["load_errors"] - before["load_errors"] == 2  # both chunks of the hit
+
+
 def test_forged_value_is_refused_with_a_shared_secret(tampered, baseline):
     _, reader, with_secret = tampered
-    (forged, intact), stats = with_secret
+    (forged, intact), stats = with_secret[:2]
     assert forged["tokens"] == baseline[-1] and forged["cached"] == 0
     assert stats["corrupt_reasons"] == {"mac": 1}
     assert intact["cached"] == 2 * CHUNK  # signed values load

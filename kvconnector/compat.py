@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import weakref
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvconnector.config import ConfigError, ConnectorConfig
@@ -158,10 +159,50 @@ def _model_config_digest(vllm_config: VllmConfig) -> str:
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+WEIGHT_SAMPLES = 32  # reads of WEIGHT_SAMPLE_BYTES spread over each weight file
+WEIGHT_SAMPLE_BYTES = 4096
+
+
+def _weight_files(model: str, revision: str | None) -> list[Path]:
+    path = Path(model)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():  # a hub id: the snapshot vLLM downloaded, if it is cached here
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(model, revision=revision, local_files_only=True))
+        except Exception:
+            return []
+    return sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+
+
+def weights_digest(model: str, revision: str | None = None) -> str:
+    """A digest of the model's weight files: names, sizes and ``WEIGHT_SAMPLES`` reads
+    spread over each, so that other weights under the same path or hub id (a fine-tune
+    written over the original) get other keys, at the cost of a few hundred small reads at
+    start-up. A change to a few bytes can escape the samples: ``namespace`` is the way to
+    keep such models apart. Empty when no weight file is found."""
+    files = _weight_files(model, revision)
+    if not files:
+        return ""
+    h = hashlib.blake2b(digest_size=8)
+    for p in files:
+        size = p.stat().st_size
+        h.update(f"{p.name}:{size};".encode())
+        with open(p, "rb") as f:
+            for i in range(WEIGHT_SAMPLES):
+                f.seek(max(0, size - WEIGHT_SAMPLE_BYTES) * i // (WEIGHT_SAMPLES - 1))
+                h.update(f.read(WEIGHT_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
 def fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                 config: ConnectorConfig) -> Fingerprint:
     layer_names, spec = attention_group(kv_cache_config)
     mc = vllm_config.model_config
+    load_format = getattr(vllm_config.load_config, "load_format", "")
     return Fingerprint(
         model=str(mc.model),
         revision=str(mc.revision or ""),
@@ -175,6 +216,12 @@ def fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         chunk_size=config.chunk_size,
         namespace=config.namespace,
+        weights=("" if str(load_format) == "dummy"
+                 else weights_digest(str(mc.model), mc.revision)),
+        model_dtype=str(mc.dtype).removeprefix("torch."),
+        cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        quantization=str(mc.quantization or ""),
+        load_format=str(load_format),
     )
 
 

@@ -37,6 +37,15 @@ class Fingerprint:
     chunk_size: int
     namespace: str
     format_version: int = FORMAT_VERSION
+    # What else changes the KV of the same model path (issue 21): the weights' bytes
+    # (sampled, compat.weights_digest), the dtype the model runs in, the KV cache dtype
+    # vLLM was asked for (fp8 variants share one storage dtype), quantization and the
+    # load format ("dummy" weights are random).
+    weights: str = ""
+    model_dtype: str = ""
+    cache_dtype: str = ""
+    quantization: str = ""
+    load_format: str = ""
 
     def digest(self) -> bytes:
         packed = msgpack.packb(sorted(asdict(self).items()), use_bin_type=True)

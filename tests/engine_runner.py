@@ -317,6 +317,7 @@ def engine_kwargs(spec: dict, **overrides) -> dict:
               enable_prefix_caching=spec.get("prefix_caching", False),
               max_model_len=spec.get("max_model_len", 4096), enforce_eager=True, seed=0,
               disable_log_stats=not spec.get("log_stats", False))
+    kw.update(spec.get("llm", {}))  # any other LLM argument (load_format, quantization)
     if spec.get("tp", 1) > 1:  # one worker process per rank
         kw.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
     kw.update(overrides)

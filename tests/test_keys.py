@@ -53,3 +53,30 @@ def test_rank_and_salt_separate_keys():
     assert request_seed(FP.digest(), None) == FP.digest()
     salted = request_seed(FP.digest(), "tenant-a")
     assert salted not in (FP.digest(), request_seed(FP.digest(), "tenant-b"))
+
+
+def test_every_field_that_changes_the_kv_changes_the_fingerprint():
+    """Issue 21: engines of one model path that differ in weights, dtype, KV cache dtype,
+    quantization or load format compute other KV, so they must not share keys."""
+    changed = {"weights": "0123456789abcdef", "model_dtype": "bfloat16",
+               "cache_dtype": "fp8_e5m2", "quantization": "awq", "load_format": "dummy",
+               "revision": "v2", "namespace": "other"}
+    digests = {FP.digest()} | {dataclasses.replace(FP, **{k: v}).digest()
+                               for k, v in changed.items()}
+    assert len(digests) == len(changed) + 1
+
+
+def test_weights_digest_reads_the_weights(tmp_path):
+    from kvconnector.compat import weights_digest
+
+    assert weights_digest(str(tmp_path / "absent")) == ""
+    f = tmp_path / "model.safetensors"
+    data = bytearray(os.urandom(1 << 20))
+    f.write_bytes(data)
+    (tmp_path / "config.json").write_text("{}")  # not a weight file
+    first = weights_digest(str(tmp_path))
+    assert first and weights_digest(str(tmp_path)) == first
+    data[(len(data) - 4096) * 15 // 31 + 7] ^= 1  # a byte in a sampled read
+    f.write_bytes(data)
+    assert weights_digest(str(tmp_path)) != first
+    assert weights_digest(str(f)) == weights_digest(str(tmp_path))  # a GGUF-style file path

@@ -71,6 +71,24 @@ def check_sleep_mode(vllm_config: VllmConfig) -> None:
             "(reset_prefix_cache(reset_connector=True)) is what a weight update needs.")
 
 
+def recompute_failed_loads(vllm_config: VllmConfig) -> None:
+    """A cache must never fail a request, and a load can always fail: Redis keys anyone
+    can plant, a value damaged or expired after the lookup, a chunk evicted between the
+    lookup and the load. vLLM's default ``kv_load_failure_policy`` ("fail") would fail
+    those requests, so the scheduler runs kvconnector with "recompute" whatever was asked.
+    vLLM 0.32/0.33 build the scheduler's connector before they read the policy."""
+    kv = vllm_config.kv_transfer_config
+    if kv is None or kv.kv_load_failure_policy == "recompute":
+        return
+    logger.warning(
+        "kvconnector: kv_load_failure_policy=%r would fail a request whenever a stored "
+        "chunk cannot be loaded (damaged, evicted or expired after the lookup, or a key "
+        "planted in a shared Redis); kvconnector runs with \"recompute\" instead: such "
+        "chunks are recomputed. Set \"kv_load_failure_policy\": \"recompute\" to silence "
+        "this.", kv.kv_load_failure_policy)
+    kv.kv_load_failure_policy = "recompute"
+
+
 def hit_source_labels() -> tuple[Any, Any]:
     """vLLM's labels for hits from (host memory, Redis). vLLM has no label for a remote
     store; it reports its own object-store tier as DISK, a storage tier behind memory."""

@@ -66,6 +66,7 @@ class KVConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
+            compat.recompute_failed_loads(vllm_config)
             self._scheduler = SchedulerHalf(self.config, vllm_config, kv_cache_config)
         else:
             self._worker = WorkerHalf(self.config, vllm_config, kv_cache_config)

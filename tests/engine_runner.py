@@ -16,10 +16,13 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def connector_config(extra: dict, short_name: bool = False) -> dict:
+def connector_config(extra: dict, short_name: bool = False,
+                     policy: str | None = "recompute") -> dict:
+    """``policy``: vLLM's kv_load_failure_policy; None leaves vLLM's default."""
     cfg = {"kv_connector": "KVConnector", "kv_connector_module_path": "kvconnector.connector",
-           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-           "kv_connector_extra_config": extra}
+           "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    if policy is not None:
+        cfg["kv_load_failure_policy"] = policy
     if short_name:
         cfg = {**cfg, "kv_connector": "kvconnector"}
         del cfg["kv_connector_module_path"]
@@ -322,7 +325,8 @@ def engine_kwargs(spec: dict, **overrides) -> dict:
         kw.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
     kw.update(overrides)
     if spec.get("connector") is not None:
-        kw["kv_transfer_config"] = connector_config(spec["connector"])
+        kw["kv_transfer_config"] = connector_config(spec["connector"],
+                                                    policy=spec.get("policy", "recompute"))
     return kw
 
 

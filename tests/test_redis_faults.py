@@ -82,11 +82,23 @@ def tampered(tiny_model, tmp_path_factory):
                 {"op": "fault_while_parked", "prompts": PARKED, "fault": "kill",
                  "pid": server.proc.pid},  # 3
                 {"op": "totals"}]}, timeout=TIMEOUT_S)  # 4
-        return writer, reader, with_secret
+        server.start()  # empty after the kill
+        c.set(keys[0][0], b)
+        c.set(keys[1][0], a)
+        for k in keys[5] + keys[6]:  # planted: keys the lookup finds, values none accepts
+            c.set(k, b"KVC1 planted by anyone who can write to this Redis")
+        policies = run_engine(tmp_path_factory.mktemp("faults-policy"), {
+            "model": tiny_model, "engines": [
+                {"connector": extra, "policy": policy,
+                 "batches": [[{"prompt": p, "max_tokens": 8}] for p in prompts]}
+                for policy, prompts in ((None, (SWAP_A, PARKED[0])),
+                                        ("fail", (SWAP_B, PARKED[1])))]},
+            runner="differential_runner.py", timeout=TIMEOUT_S)
+        return writer, reader, with_secret, policies
 
 
 def test_damaged_first_chunks_cost_one_recompute(tampered, baseline):
-    writer, reader, _ = tampered
+    writer, reader, _, _ = tampered
     outs, totals, stats = reader[0], reader[1], reader[2]
     assert [r["tokens"] for r in writer[0]] == baseline
     assert [r["tokens"] for r in outs[:5]] == baseline[:5]
@@ -100,12 +112,23 @@ def test_damaged_first_chunks_cost_one_recompute(tampered, baseline):
 
 
 def test_redis_killed_between_lookup_and_fetch(tampered, baseline):
-    _, reader, _ = tampered
+    _, reader, _, _ = tampered
     parked, before, after = reader[3], reader[1], reader[4]
     assert parked["parked"] == len(PARKED), "the lookup was meant to find every chunk"
     assert parked["tokens"] == baseline[5:-1]
     # Both chunks of each request failed once, and were never planned again.
     assert after["load_errors"] - before["load_errors"] == 2 * len(PARKED)
+
+
+def test_bad_values_never_fail_a_request_under_vllms_default_policy(tampered, baseline):
+    """With vLLM's default kv_load_failure_policy ("fail") and with "fail" asked for, a
+    value that fails its checks (damaged, or planted under a key the lookup reports) is
+    recomputed: a cache fault never fails a request."""
+    for i, engine in enumerate(tampered[3]):
+        (swapped,), (planted,) = engine["outputs"]
+        assert swapped["tokens"] == baseline[i] and swapped["cached"] == 0
+        assert planted["tokens"] == baseline[5 + i] and planted["cached"] == 0
+        assert engine["totals"]["load_errors"] == 3  # one chunk swapped, two planted
 
 
 def test_keys_expiring_while_the_request_waits(tiny_model, tmp_path_factory, baseline):
@@ -130,14 +153,14 @@ def test_keys_expiring_while_the_request_waits(tiny_model, tmp_path_factory, bas
 def test_a_fetch_that_raises_costs_a_recompute(tampered, baseline):
     """An exception anywhere on a load's path reports the request's blocks as failed:
     before, the request was reported received with blocks that were never written."""
-    _, _, with_secret = tampered
+    _, _, with_secret, _ = tampered
     before, (out,), after = with_secret[2], with_secret[4], with_secret[5]
     assert out["cached"] == 0 and out["tokens"] == baseline[5]
     assert after["load_errors"] - before["load_errors"] == 2  # both chunks of the hit
 
 
 def test_forged_value_is_refused_with_a_shared_secret(tampered, baseline):
-    _, reader, with_secret = tampered
+    _, reader, with_secret, _ = tampered
     (forged, intact), stats = with_secret[:2]
     assert forged["tokens"] == baseline[-1] and forged["cached"] == 0
     assert stats["corrupt_reasons"] == {"mac": 1}

@@ -75,9 +75,10 @@ def effective(data: dict[str, Any]) -> Effective:
             out.warnings.append(f"kv_role is {data.get('kv_role')!r}: use \"kv_both\" "
                                 "(kvconnector saves and loads)")
         if data.get("kv_load_failure_policy") != "recompute":
-            out.warnings.append("kv_load_failure_policy is not \"recompute\": a chunk that "
-                                "fails its checks then fails its request instead of being "
-                                "recomputed")
+            out.warnings.append("kv_load_failure_policy is not \"recompute\": kvconnector "
+                                "runs with \"recompute\" all the same (a chunk that cannot "
+                                "be loaded is recomputed, never a failed request) and warns "
+                                "at start-up")
     else:
         extra = dict(data)
     own, translation = translate(extra)

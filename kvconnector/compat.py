@@ -89,6 +89,19 @@ def recompute_failed_loads(vllm_config: VllmConfig) -> None:
     kv.kv_load_failure_policy = "recompute"
 
 
+def mark_approximate(request: Request, first_token: int, block_size: int, salt: bytes) -> None:
+    """Keep KV that full prefill did not compute (a blend) out of vLLM's prefix cache for
+    requests that expect it exact. vLLM caches a request's blocks under
+    ``request.block_hashes`` (computed when the request arrives, before the connector is
+    asked): the hashes of the blocks from ``first_token`` on are replaced by salted ones,
+    so vLLM caches those blocks under keys that no plain request computes, and the hashes
+    of later blocks chain from them. Idempotent per salt only: call it once per request."""
+    hashes = request.block_hashes
+    for i in range(first_token // block_size, len(hashes)):
+        hashes[i] = type(hashes[i])(hashlib.blake2b(salt + bytes(hashes[i]),
+                                                    digest_size=32).digest())
+
+
 def hit_source_labels() -> tuple[Any, Any]:
     """vLLM's labels for hits from (host memory, Redis). vLLM has no label for a remote
     store; it reports its own object-store tier as DISK, a storage tier behind memory."""

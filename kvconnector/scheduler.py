@@ -305,9 +305,14 @@ class SchedulerHalf:
                 self._readers.update((b, save.req_id) for b in save.block_ids if b >= 0)
         self.resumed_requests += len(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
         c = self.config.chunk_size
+        # A load that fails still has this step's forward pass read the blocks it left
+        # unfilled before vLLM recomputes them: what a loading request computes in its
+        # loading step is saved from its next step (or its finish) on, once that load is
+        # known to have worked.
+        loading = {t.req_id for t in plan.loads}
         for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
             st = self._requests.get(req_id)
-            if st is None or st.skip_reason:
+            if st is None or st.skip_reason or req_id in loading:
                 continue
             req = st.request
             done_after_step = min(req.num_computed_tokens + n_scheduled, req.num_tokens)
@@ -401,6 +406,10 @@ class SchedulerHalf:
             done = compat.kv_complete_tokens(request)
             if not self.config.save_decode_chunks:
                 done = min(done, request.num_prompt_tokens)
+            n_full = done // self.config.chunk_size
+            if n_full > st.stored:  # computed in its loading step, its last
+                self._plan_full_saves(st, request.request_id, n_full, block_ids,
+                                      self._finished_saves)
             self._plan_partial_save(st, request.request_id, done, block_ids,
                                     self._finished_saves)
         return False, None

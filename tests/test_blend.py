@@ -70,6 +70,25 @@ def test_requests_override_blend_settings_and_bad_overrides_are_ignored():
     assert cfg.for_request({"blend_separator": "x"}) is cfg  # not a per-request key
 
 
+def test_a_request_cannot_lower_the_deployments_blend_threshold():
+    """Issue 20: ``blend_min_tokens: 0`` per request had the worker blend (a dense
+    recompute) prompts with nothing stored; a request may only raise the threshold."""
+    cfg = BlendConfig(enabled=True, min_tokens=256)
+    assert cfg.for_request({"blend_min_tokens": 0}).min_tokens == 256
+    assert cfg.for_request({"blend_min_tokens": 0, "blend_recompute_ratio": 0.5}) == (
+        BlendConfig(enabled=True, min_tokens=256, recompute_ratio=0.5))
+    assert cfg.for_request({"blend_min_tokens": 1024}).min_tokens == 1024
+
+
+def test_blend_salts_differ_by_every_setting_that_changes_the_kv():
+    base = BlendConfig(enabled=True)
+    others = [BlendConfig(enabled=True, recompute_ratio=0.5),
+              BlendConfig(enabled=True, strategy="cacheblend"),
+              BlendConfig(enabled=True, check_layer=2), BlendConfig(enabled=True, epic_tokens=8)]
+    assert len({c.salt() for c in [base, *others]}) == 5
+    assert BlendConfig(enabled=True, min_tokens=1).salt() == base.salt()
+
+
 # ---- segments and keys ----
 
 

@@ -394,3 +394,24 @@ def test_quality_full_reuse_is_worse_than_blend_which_is_worse_than_recompute(
     # gap (measured 0.17 on these trials), and it beats the paper's selection.
     assert attention <= reuse / 3 and attention < blend
     assert all(r["cached"] >= 512 for asked in res[1::2] for r in asked)  # all blended
+
+
+def test_blended_kv_never_reaches_requests_that_expect_it_exact(peaked_mistral, prompts,
+                                                               baseline, tmp_path_factory):
+    """Issue 20: with vLLM's own prefix cache on (its default), the blocks of a blended
+    request were cached under the prompt's exact block hashes, and a later request of the
+    same prompt that is not blended (or blended at a higher ratio) read them as exact."""
+    p = prompts
+    res = run_engine(tmp_path_factory.mktemp("blend-prefix-cache"), {
+        "model": peaked_mistral, "max_model_len": MAX_LEN, "prefix_caching": True,
+        "connector": _blend_config(), "steps": [
+            {"op": "generate", "prompts": [p.p1]},  # stores the documents
+            {"op": "generate", "prompts": [p.p2], "params": RATIO_0},  # approximate
+            {"op": "generate", "prompts": [p.p2], "params": {"blend": False}},
+            {"op": "generate", "prompts": [p.p2], "params": RATIO_1}]},
+        runner="blend_runner.py", timeout=600)
+    approximate, plain, exact = (r[0] for r in res[1:])
+    assert approximate["cached"] == _blended(p.p2)
+    assert approximate["tokens"] != baseline["p2"]["tokens"], "the test needs a difference"
+    assert plain["tokens"] == baseline["p2"]["tokens"] and plain["cached"] == 0
+    assert exact["tokens"] == baseline["p2"]["tokens"]

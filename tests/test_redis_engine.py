@@ -131,3 +131,25 @@ def test_redis_faults_cost_misses_not_requests(tiny_model, tmp_path_factory, bas
     assert back["reconnects"] >= 2  # after the first start and after the restart
     # No storm: failed attempts stay a handful; the rest were skipped during backoff.
     assert back["errors"] <= 5 and back["skipped_in_backoff"] >= 1
+
+
+def test_chunks_computed_over_a_failed_load_are_never_stored(tiny_model, tmp_path_factory,
+                                                             baseline, redis_server):
+    """A step whose memory load fails still runs its forward pass over the blocks that were
+    never filled, and vLLM recomputes afterwards: the chunks that step computed must not be
+    saved (they reached Redis under exact keys, and a second engine served them)."""
+    extra = {"memory_capacity": "64MiB", "redis_url": redis_server.url,
+             "redis_key_prefix": "failed-load"}
+    first = run_engine(tmp_path_factory.mktemp("failed-load-a"), {
+        "model": tiny_model, "connector": extra, "steps": [
+            {"op": "generate", "prompts": [P1[:300]]},  # stores chunk 0
+            {"op": "foreign", "prompt": P1[:300], "chunk": 0},  # its slot: another chunk
+            {"op": "generate", "prompts": [P1]},  # loads chunk 0 (fails), computes 1, 2
+            {"op": "flush"}, {"op": "totals"}]})
+    assert first[1] == [True] and first[4]["load_errors"] == 1
+    assert first[2][0]["tokens"] == baseline[0]
+    second = run_engine(tmp_path_factory.mktemp("failed-load-b"), {
+        "model": tiny_model, "connector": extra, "steps": [
+            {"op": "generate", "prompts": [P1]}, {"op": "totals"}]})
+    assert second[0][0]["cached"] == P1_HIT and second[1]["redis_loaded_chunks"] == 3
+    assert second[0][0]["tokens"] == baseline[0]

@@ -115,7 +115,19 @@ class BlendConfig:
         if not wanted:
             return self
         try:
-            return replace(self, **_parse(wanted))
+            parsed = _parse(wanted)
         except BlendConfigError as e:
             logger.warning("kvconnector: ignoring the request's blend override: %s", e)
             return self
+        if parsed.get("min_tokens", self.min_tokens) < self.min_tokens:
+            # A lower bound would have the worker blend (a dense recompute) prompts the
+            # deployment serves by plain prefill: a request may only ask for less blending.
+            logger.warning("kvconnector: ignoring the request's blend_min_tokens=%d: below "
+                           "the deployment's %d", parsed.pop("min_tokens"), self.min_tokens)
+        return replace(self, **parsed)
+
+    def salt(self) -> bytes:
+        """Tells KV blended with these settings apart from exact KV and from KV blended
+        with others (compat.mark_approximate)."""
+        return (f"kvconnector-blend:{self.strategy}:{self.recompute_ratio!r}:"
+                f"{self.check_layer}:{self.epic_tokens}").encode()

@@ -49,6 +49,7 @@ class BlendRequest:
     docs: list[Document]
     handled: set[int] = field(default_factory=set)  # documents saved or found stored
     blended: bool = False
+    salted: bool = False  # vLLM's block hashes from the blended range on: approximate KV
     # The hit offered to vLLM: (start, end, document index -> "memory" | "redis", async).
     offer: tuple[int, int, dict[int, str], bool] | None = None
     redis_question: tuple[int, ...] | None = None
@@ -113,6 +114,9 @@ class BlendScheduler:
             return None
         load_async = "redis" in found.values()
         br.offer = (num_computed, end, found, load_async)
+        if not br.salted:  # vLLM caches the blocks when it allocates them, before after_alloc
+            compat.mark_approximate(req, num_computed, bs, br.config.salt())
+            br.salted = True
         return end - num_computed, load_async
 
     def _ask_redis(self, br: BlendRequest, docs: list[int]) -> set[int] | None:
@@ -199,11 +203,14 @@ class BlendScheduler:
         keeps the blocks they read until they are done, as for its own saves)."""
         plan.blends, self._jobs = self._jobs, []
         index, bs = self.half.index, self.half.block_size
+        # A blend that fails leaves blocks this step's forward still reads: documents
+        # computed in a blending step are saved from the request's next step on.
+        blending = {j.req_id for j in plan.blends} | {t.req_id for t in plan.loads}
         for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
             br = self._requests.get(req_id)
             st = self.half._requests.get(req_id)
             if (br is None or st is None or len(br.handled) == len(br.docs)
-                    or st.skip_reason not in (None, BLENDED)):
+                    or st.skip_reason not in (None, BLENDED) or req_id in blending):
                 continue
             req = br.request
             done = min(req.num_computed_tokens + n_scheduled, req.num_prompt_tokens)

@@ -115,6 +115,23 @@ def _layer0_rerotation(worker, tokens: list[int], p: int, q: int) -> dict:
             "largest": float(kq.abs().max())}
 
 
+_RUN_BLEND: list = []
+
+
+def _break_blend(worker, broken: bool) -> bool:
+    """Make every blend fail (as a bug in it would), or work again."""
+    from kvconnector.blend import worker as blend_worker
+
+    if not _RUN_BLEND:
+        _RUN_BLEND.append(blend_worker.run_blend)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected: a blend that fails")
+
+    blend_worker.run_blend = fail if broken else _RUN_BLEND[0]
+    return True
+
+
 def main(spec_path: str, out_path: str) -> None:
     spec = json.load(open(spec_path))
     from vllm import LLM
@@ -144,6 +161,8 @@ def main(spec_path: str, out_path: str) -> None:
             results.append(llm.collective_rpc(_flush_redis))
         elif op == "cached_by_source":
             results.append(cached_by_source(llm))
+        elif op == "break_blend":
+            results.append(llm.collective_rpc(_break_blend, args=(step["broken"],))[0])
         else:
             raise ValueError(f"unknown step {op}")
     json.dump(results, open(out_path, "w"))

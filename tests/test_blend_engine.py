@@ -66,6 +66,9 @@ class Prompts:
         self.plain = _tokens(rng, 700, avoid)  # no separator: prefix reuse
         self.small = _join([[1] + _tokens(rng, 20, avoid), _tokens(rng, 60, avoid),
                             _tokens(rng, 300, avoid)], sep)  # 80 document tokens
+        # P1's first documents at their stored positions, then one never seen.
+        self.p5 = _join([self.s1, self.d1, self.d2, _tokens(rng, 260, avoid),
+                         _tokens(rng, 40, avoid)], sep)
 
 
 @pytest.fixture(scope="module")
@@ -139,11 +142,12 @@ def baseline(peaked_mistral, prompts, stress_prompts, tmp_path_factory):
         "model": peaked_mistral, "max_model_len": MAX_LEN, "connector": None, "steps": [
             {"op": "generate", "prompts": [p.p1, p.p3, p.plain, p.small]},
             {"op": "generate", "prompts": [p.p2], "logprobs": 20},
-            {"op": "generate", "prompts": stress_prompts, "max_tokens": STRESS_TOKENS}]},
+            {"op": "generate", "prompts": stress_prompts, "max_tokens": STRESS_TOKENS},
+            {"op": "generate", "prompts": [p.p5]}]},
         runner="blend_runner.py", timeout=600)
-    (p1, p3, plain, small), (p2,), stress = res
+    (p1, p3, plain, small), (p2,), stress, (p5,) = res
     return {"p1": p1, "p2": p2, "p3": p3, "plain": plain, "small": small,
-            "stress": [r["tokens"] for r in stress]}
+            "stress": [r["tokens"] for r in stress], "p5": p5}
 
 
 def _blended(prompt: list[int], block: int = 128) -> int:
@@ -415,3 +419,27 @@ def test_blended_kv_never_reaches_requests_that_expect_it_exact(peaked_mistral, 
     assert approximate["tokens"] != baseline["p2"]["tokens"], "the test needs a difference"
     assert plain["tokens"] == baseline["p2"]["tokens"] and plain["cached"] == 0
     assert exact["tokens"] == baseline["p2"]["tokens"]
+
+
+def test_documents_computed_in_a_failed_blend_are_never_stored(peaked_mistral, prompts,
+                                                               baseline, tmp_path_factory):
+    """Issue 20: a blend that fails leaves its range unwritten while the step's forward
+    pass reads it; a document new in that range was saved from those blocks. Saved once
+    vLLM recomputed it, it gives full prefill's tokens at its stored position (ratio 0)."""
+    p = prompts
+    res = run_engine(tmp_path_factory.mktemp("blend-failed"), {
+        "model": peaked_mistral, "max_model_len": MAX_LEN, "connector": _blend_config(),
+        "steps": [
+            {"op": "generate", "prompts": [p.p1]},  # 0: S1, D1, D2, D3
+            {"op": "break_blend", "broken": True},  # 1
+            {"op": "generate", "prompts": [p.p5], "params": RATIO_0},  # 2: fails
+            {"op": "break_blend", "broken": False},  # 3
+            {"op": "totals"},  # 4
+            {"op": "generate", "prompts": [p.p5], "params": RATIO_0},  # 5: all stored
+            {"op": "totals"}]}, runner="blend_runner.py", timeout=600)
+    failed, first, served, second = res[2][0], res[4], res[5][0], res[6]
+    assert failed["tokens"] == baseline["p5"]["tokens"]  # recomputed by vLLM
+    assert first["load_errors"] == 1 and first.get("blend_requests", 0) == 0
+    assert served["cached"] == _blended(p.p5)
+    assert second["blend_requests"] == 1 and second.get("blend_doc_errors", 0) == 0
+    assert served["tokens"] == baseline["p5"]["tokens"]

@@ -67,6 +67,15 @@ COUNTERS = (
            "misses meanwhile)."),
     Family("redis_reconnects", "Probes that tried Redis again after a backoff."),
     Family("redis_dropped_puts", "Chunks not sent to Redis because the put queue was full."),
+    Family("blend_requests", "Requests served by blend (documents reused at any position)."),
+    Family("blend_loaded_tokens", "Blended tokens whose stored KV was reused."),
+    Family("blend_recomputed_tokens", "Blended tokens recomputed (selected, or in no stored "
+           "document)."),
+    Family("blend_failures", "Blends that failed; vLLM recomputed their range."),
+    Family("blend_doc_errors", "Stored documents a blend could not use (recomputed)."),
+    Family("blend_saved_docs", "Documents stored for later blends."),
+    Family("blend_unsegmented", "Requests with blend on whose prompt holds no separator "
+           "(served by prefix reuse)."),
 )
 HISTOGRAMS = (
     Family("load_batch_seconds", "Time to check a batch of chunks in the memory tier (one step's "
@@ -75,6 +84,7 @@ HISTOGRAMS = (
            "tier and seal it (with a checksum when it goes on to Redis)."),
     Family("redis_fetch_seconds", "Time to fetch one request's chunks from Redis (one "
            "pipeline) into memory slots."),
+    Family("blend_seconds", "Time to blend one request's range (load, select, recompute)."),
 )
 GAUGE_FAMILIES = (
     Family("memory_slots_used", "Memory-tier slots holding a chunk (or planned to)."),

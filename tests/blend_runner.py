@@ -115,6 +115,17 @@ def _layer0_rerotation(worker, tokens: list[int], p: int, q: int) -> dict:
             "largest": float(kq.abs().max())}
 
 
+def _metrics(llm) -> dict:
+    """kvconnector's Prometheus metrics as vLLM's reader sees them (needs "log_stats"):
+    counters by name, histograms as their count."""
+    out: dict = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:kvconnector_blend"):
+            name = m.name.removeprefix("vllm:kvconnector_")
+            out[name] = out.get(name, 0) + (m.count if hasattr(m, "count") else m.value)
+    return out
+
+
 _RUN_BLEND: list = []
 
 
@@ -161,6 +172,8 @@ def main(spec_path: str, out_path: str) -> None:
             results.append(llm.collective_rpc(_flush_redis))
         elif op == "cached_by_source":
             results.append(cached_by_source(llm))
+        elif op == "metrics":
+            results.append(_metrics(llm))
         elif op == "break_blend":
             results.append(llm.collective_rpc(_break_blend, args=(step["broken"],))[0])
         else:

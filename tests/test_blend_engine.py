@@ -128,9 +128,11 @@ def blend_run(peaked_mistral, prompts, redis_server, tmp_path_factory):
         {"op": "generate", "prompts": [p.p3], "params": RATIO_0},  # 14: control
         {"op": "flush"},  # 15
         {"op": "outstanding"},  # 16
+        {"op": "metrics"},  # 17
+        {"op": "totals"},  # 18
     ]
     return run_engine(tmp_path_factory.mktemp("blend"), {
-        "model": peaked_mistral, "max_model_len": MAX_LEN,
+        "model": peaked_mistral, "max_model_len": MAX_LEN, "log_stats": True,
         "connector": _blend_config(redis_server.url), "steps": steps},
         runner="blend_runner.py", timeout=600)
 
@@ -443,3 +445,17 @@ def test_documents_computed_in_a_failed_blend_are_never_stored(peaked_mistral, p
     assert served["cached"] == _blended(p.p5)
     assert second["blend_requests"] == 1 and second.get("blend_doc_errors", 0) == 0
     assert served["tokens"] == baseline["p5"]["tokens"]
+
+
+def test_blend_is_visible_on_metrics(blend_run):
+    """Issue 20: blended requests, reused and recomputed tokens, blend time, documents,
+    prompts without a separator reach vLLM's Prometheus registry (/metrics)."""
+    metrics, totals = blend_run[17], blend_run[18]
+    assert metrics["blend_requests"] == totals["blend_requests"] > 0
+    assert metrics["blend_seconds"] == totals["blend_requests"]  # one observation each
+    assert metrics["blend_loaded_tokens"] == totals["blend_loaded_tokens"] > 0
+    assert metrics["blend_recomputed_tokens"] == totals["blend_recomputed_tokens"] > 0
+    assert metrics["blend_saved_docs"] == totals["blend_saved_docs"] > 0
+    assert metrics["blend_doc_errors"] == totals["blend_doc_errors"] > 0  # the lost D2
+    assert metrics["blend_unsegmented"] == 2  # the plain prompt, twice
+    assert metrics.get("blend_failures", 0) == 0

@@ -84,6 +84,8 @@ class BlendScheduler:
             cfg = self.config.for_request(req.kv_transfer_params)
             docs = (documents(req.prompt_token_ids, self.separator, st.seed,
                               self.half.config.chunk_size) if cfg.enabled else [])
+            if cfg.enabled and not docs:
+                self.half.stats.add(blend_unsegmented=1)
             br = BlendRequest(req, cfg, docs)
             self._requests[req.request_id] = br
         return br

@@ -160,9 +160,10 @@ class BlendWorker:
             with self.half._lock:
                 self.half._load_errors.update(job.block_ids[job.start // bs:job.end // bs])
                 self.half._report.note_failed_load(job.req_id, 0)
-            self.half._count(load_errors=1)
+            self.half._count(load_errors=1, blend_failures=1)
             return
         seconds = time.perf_counter() - start
+        self.half._observe(blend_seconds=seconds)
         self.half._count(blend_requests=1, blend_tokens=result.tokens,
                          blend_loaded_tokens=result.loaded,
                          blend_recomputed_tokens=result.recomputed, blend_seconds=seconds)

@@ -25,16 +25,22 @@ def main() -> int:
     ap.add_argument("--first-seed", type=int, default=1000,
                     help="CI runs seeds 0-2; start elsewhere to try new workloads")
     ap.add_argument("--engines", type=int, default=4, help="connector engines per seed")
+    ap.add_argument("--kind", choices=("prefix", "blend", "both"), default="both",
+                    help="prefix reuse workloads, blend ones (ratio 1.0), or each in turn")
     args = ap.parse_args()
 
     from tqdm import tqdm
 
     from kvconnector.tiny_model import build_tiny_mistral
     from tests import differential
+    from tests.blend_models import build_model, tiny_tokenizer_dir
     from tests.conftest import CACHE
     from tests.redis_server import RedisServer
 
-    model = str(build_tiny_mistral(CACHE / "tiny-mistral"))
+    models = {"prefix": str(build_tiny_mistral(CACHE / "tiny-mistral")),
+              "blend": build_model(CACHE / "tiny-mistral-qk4", tiny_tokenizer_dir(CACHE),
+                                   arch="mistral", qk_scale=4.0)}
+    kinds = ["prefix", "blend"] if args.kind == "both" else [args.kind]
     deadline = time.monotonic() + args.minutes * 60
     seeds = failed = requests = 0
     with RedisServer() as redis, tempfile.TemporaryDirectory() as tmp, \
@@ -42,9 +48,11 @@ def main() -> int:
         seed = args.first_seed
         while time.monotonic() < deadline:
             start = time.monotonic()
-            w = differential.workload(seed, redis.url, n_engines=args.engines)
+            kind = kinds[seed % len(kinds)]
+            make = differential.workload if kind == "prefix" else differential.blend_workload
+            w = make(seed, redis.url, n_engines=args.engines)
             try:
-                problems = differential.run(model, Path(tmp) / str(seed), w)
+                problems = differential.run(models[kind], Path(tmp) / str(seed), w)
             except RuntimeError as e:  # an engine that failed or hung is a finding too
                 problems = [f"seed {seed}: {e}"]
             seeds += 1
@@ -55,7 +63,8 @@ def main() -> int:
             bar.update(int(time.monotonic() - start))
             bar.set_postfix(seeds=seeds, failed=failed)
             seed += 1
-    print(f"differential: {seeds} seeds ({args.first_seed}-{seed - 1}), {requests} requests "
+    print(f"differential ({args.kind}): {seeds} seeds ({args.first_seed}-{seed - 1}), "
+          f"{requests} requests "
           f"on {seeds * args.engines} connector engines, {failed} seeds differed")
     return 1 if failed else 0
 

@@ -23,6 +23,7 @@ MAX_TOKENS = 24
 class Workload:
     seed: int
     prompts: list[list[int]]
+    max_model_len: int = MAX_MODEL_LEN
     # Per engine: its spec (connector, KV budget, vLLM's prefix cache) and its batches of
     # (prompt index, max_tokens, abort after that many steps or None).
     engines: list[dict] = field(default_factory=list)
@@ -95,12 +96,49 @@ def workload(seed: int, redis_url: str | None, n_prompts: int = 8, n_requests: i
     return w
 
 
+BLEND_SEPARATOR = [3, 4]  # ids no generated content uses (tokens are 4..399, never 3)
+BLEND_MAX_MODEL_LEN = 2048
+
+
+def blend_workload(seed: int, redis_url: str | None, n_prompts: int = 8,
+                   n_requests: int = 12, n_engines: int = 2) -> Workload:
+    """Prompts of a system prompt and 2-4 of 6 documents, in random orders and overlaps,
+    then a question, served by blend at ratio 1.0 (every token recomputed: vLLM alone's
+    tokens) through memory tiers of 1-8 pieces, Redis behind them or not."""
+    rng = random.Random(seed)
+
+    def fresh(k: int) -> list[int]:
+        return [rng.randrange(5, 400) for _ in range(k)]
+
+    systems = [[1] + fresh(rng.randint(10, 80)) for _ in range(2)]
+    docs = [fresh(rng.randint(60, 400)) for _ in range(6)]
+    prompts = []
+    for _ in range(n_prompts):
+        parts = [rng.choice(systems), *rng.sample(docs, rng.randint(2, 4)),
+                 fresh(rng.randint(5, 60))]
+        joined: list[int] = []
+        for i, part in enumerate(parts):
+            joined += (BLEND_SEPARATOR if i else []) + part
+        prompts.append(joined[:BLEND_MAX_MODEL_LEN - MAX_TOKENS - 1])
+    w = Workload(seed, prompts, BLEND_MAX_MODEL_LEN)
+    for _ in range(n_engines):
+        extra: dict = {"memory_capacity": CHUNK_BYTES * rng.randint(1, 8), "blend": True,
+                       "blend_separator_ids": BLEND_SEPARATOR, "blend_recompute_ratio": 1.0,
+                       "blend_min_tokens": rng.choice([1, 128])}
+        if redis_url is not None and rng.random() < 0.67:
+            extra.update(redis_url=redis_url, redis_key_prefix=f"blend{seed}")
+        w.engines.append({"connector": extra, "prefix_caching": rng.random() < 0.5,
+                          "kv_cache_bytes": 64 << 20, "max_model_len": BLEND_MAX_MODEL_LEN})
+        w.batches.append(_batches(rng, n_prompts, n_requests))
+    return w
+
+
 def run(model: str, tmp: Path, w: Workload, timeout: int = 900) -> list[str]:
     """Run the workload's engines and vLLM alone in one process; the differences, as
     readable lines (empty: every finished request got vLLM alone's tokens)."""
     longest = {i: max((mt for bs in w.batches for b in bs for j, mt, _ in b if j == i),
                       default=1) for i in range(len(w.prompts))}
-    baseline = {"connector": None, "max_model_len": MAX_MODEL_LEN,
+    baseline = {"connector": None, "max_model_len": w.max_model_len,
                 "batches": [[{"prompt": w.prompts[i], "max_tokens": mt}]
                             for i, mt in sorted(longest.items())]}
     engines = [baseline] + [
@@ -130,6 +168,14 @@ def run(model: str, tmp: Path, w: Workload, timeout: int = 900) -> list[str]:
         if held:
             problems.append(f"seed {w.seed} engine {n}: state left after the run: {held}")
     return problems
+
+
+def total(res_dir: Path, counter: str) -> float:
+    """A connector counter summed over the engines of the last run."""
+    import json
+
+    res = json.loads((res_dir / "out.json").read_text())
+    return sum(r["totals"].get(counter, 0) for r in res[1:])
 
 
 def cached_tokens(res_dir: Path) -> int:

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from tests import differential
-from tests.conftest import run_engine
+from tests.blend_models import build_model, tiny_tokenizer_dir
+from tests.conftest import CACHE, run_engine
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.engine
@@ -68,3 +69,19 @@ def test_random_workloads_match_vllm_alone(tiny_model, tmp_path, shared_redis, s
     problems = differential.run(tiny_model, tmp_path, w)
     assert not problems, "\n".join(problems)
     assert differential.cached_tokens(tmp_path) > 0  # the workload did hit the caches
+
+
+@pytest.fixture(scope="module")
+def blend_model() -> str:
+    return build_model(CACHE / "tiny-mistral-qk4", tiny_tokenizer_dir(CACHE), arch="mistral",
+                       qk_scale=4.0)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_blends_at_ratio_1_match_vllm_alone(blend_model, tmp_path, shared_redis, seed):
+    """Documents in random orders and overlaps, stored and evicted through small memory
+    tiers and Redis, blended with every token recomputed: vLLM alone's tokens."""
+    w = differential.blend_workload(seed, shared_redis.url)
+    problems = differential.run(blend_model, tmp_path, w)
+    assert not problems, "\n".join(problems)
+    assert differential.total(tmp_path, "blend_requests") > 0

@@ -42,13 +42,98 @@ def engine_env(tmp: Path, multiprocess: bool = False) -> dict[str, str]:
     return env
 
 
+HOSTED_RUNNERS = ("engine_runner.py", "blend_runner.py", "differential_runner.py",
+                  "mistral_runner.py")
+HOST_JOBS = 24  # runs per host process before a fresh one (memory, leaked state)
+
+
+class EngineHost:
+    """One ``tests/engine_host.py`` process that runs in-process engine runs one after
+    another: vLLM is imported once, not once per run. ``KVCONNECTOR_TEST_FRESH_PROCESS=1``
+    gives every run its own process again."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.replies = None
+        self.jobs = 0
+
+    def _start(self, tmp: Path, timeout: float) -> None:
+        import select
+
+        read_fd, write_fd = os.pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "engine_host.py"), str(write_fd)],
+            env=engine_env(tmp / "host"), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, pass_fds=(write_fd,), text=True)
+        os.close(write_fd)
+        self.replies = os.fdopen(read_fd)
+        self.jobs = 0
+        if not select.select([self.replies], [], [], timeout)[0] or not self.replies.readline():
+            self.stop()
+            raise RuntimeError("the engine host did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.replies.close()
+        self.proc = None
+
+    def run(self, tmp: Path, runner: str, spec_path: Path, out_path: Path,
+            timeout: float) -> bool:
+        """Run one job; False if it failed (the host is then replaced)."""
+        import select
+
+        if self.proc is None or self.proc.poll() is not None or self.jobs >= HOST_JOBS:
+            self.stop()
+            self._start(tmp, timeout)
+        env = engine_env(tmp)
+        job = {"runner": runner.removesuffix(".py"), "spec": str(spec_path),
+               "out": str(out_path), "log": str(tmp / "engine.log"),
+               "env": {k: env[k] for k in ("TMPDIR", "VLLM_ENABLE_V1_MULTIPROCESSING")}}
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        self.jobs += 1
+        if not select.select([self.replies], [], [], timeout)[0]:
+            self.stop()
+            raise TimeoutError
+        line = self.replies.readline()
+        ok = bool(line) and json.loads(line)["ok"]
+        if not ok:
+            self.stop()
+        return ok
+
+
+_HOST = EngineHost()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_engine_host():
+    yield
+    _HOST.stop()
+
+
 def run_engine(tmp: Path, spec: dict, *, multiprocess: bool = False, timeout: int = 600,
                runner: str = "engine_runner.py"):
-    """Run tests/engine_runner.py (or another runner) in a fresh process and return its step
-    results."""
+    """Run tests/engine_runner.py (or another runner) and return its step results: in the
+    session's engine host where the run allows (in-process engines), else in a fresh
+    process."""
     tmp.mkdir(parents=True, exist_ok=True)
     spec_path, out_path = tmp / "spec.json", tmp / "out.json"
     spec_path.write_text(json.dumps(spec))
+    hosted = (not multiprocess and runner in HOSTED_RUNNERS and spec.get("tp", 1) == 1
+              and os.environ.get("KVCONNECTOR_TEST_FRESH_PROCESS") != "1")
+    if hosted:
+        try:
+            ok = _HOST.run(tmp, runner, spec_path, out_path, timeout)
+        except TimeoutError:
+            log = (tmp / "engine.log").read_text(errors="replace")
+            raise RuntimeError(f"engine run did not finish within {timeout} s (a request "
+                               f"that never finishes?):\n{log[-3000:]}") from None
+        if not ok:
+            log = (tmp / "engine.log").read_text(errors="replace")
+            raise RuntimeError(f"engine run failed:\n{log[-6000:]}")
+        return json.loads(out_path.read_text())
     try:
         proc = subprocess.run(
             [sys.executable, str(ROOT / "tests" / runner), str(spec_path),

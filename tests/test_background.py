@@ -58,8 +58,8 @@ def test_close_drops_queued_jobs_and_waits_only_so_long(caplog):
         copies.submit(lambda i=i: ran.append(i), [f"queued{i}"], [2 + i])
     start = time.monotonic()
     assert not copies.close(0.3)  # the running job is still stuck
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 10  # bounded: the feature (generous for busy CI)
     gate.set()
-    time.sleep(0.2)
+    copies._executor.shutdown(wait=True)  # the thread has finished: nothing else can run
     assert ran == [], "jobs queued behind the running one ran after close"
     assert "callback" not in caplog.text  # cancelled jobs are forgotten quietly

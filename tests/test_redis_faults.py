@@ -184,5 +184,5 @@ def test_shutdown_is_bounded_with_puts_queued_for_a_slow_redis(tiny_model, tmp_p
                       {"op": "shutdown_connector"}]}, timeout=TIMEOUT_S)
     shutdown = res[1]
     assert shutdown["queued"] >= 8, "the test needs puts queued at shutdown"
-    assert shutdown["seconds"] < 2.5, shutdown
+    assert shutdown["seconds"] < 4, shutdown  # the bound is the feature (7.8 s unbounded)
     assert shutdown["dropped"] >= 1

@@ -90,6 +90,9 @@ class SchedulerHalf:
         self._async_loads: list[ChunkTransfer] = []
         self._finished_saves: list[ChunkTransfer] = []  # planned at request_finished
         self._partial_of: dict[str, tuple[int, bytes]] = {}  # req -> (chunk, key) of its hit
+        # Chunks promoted from Redis whose fetch the worker has not reported done.
+        self._arriving: dict[bytes, int] = {}
+        self._fetching: dict[str, list[bytes]] = {}  # parked request -> its promotions
         # Block id -> the request whose latest planned save reads it. When vLLM hands such
         # a block out again, the plan makes the workers finish that request's copies first.
         self._readers: dict[int, str] = {}
@@ -155,6 +158,10 @@ class SchedulerHalf:
         hashes = self._hashes(st, st.request.num_tokens)[:st.load_limit]
         n = len(hashes)
         in_memory = self.index.count_prefix(hashes)
+        # Chunks still on their way from Redis into their slots are in the index, but only
+        # a job behind their fetch on the copy thread can read them: an asynchronous load.
+        ready = next((i for i, h in enumerate(hashes[:in_memory]) if h in self._arriving),
+                     in_memory)
         c, bs = self.config.chunk_size, self.block_size
         full, k, ph = in_memory, 0, None
         if self.redis is not None and in_memory < n:
@@ -171,8 +178,8 @@ class SchedulerHalf:
         mk, mh = self._memory_partial(st, full, cap)
         if mk >= k and mh is not None:
             k, ph = mk, mh
-        from_memory = in_memory * c
-        if full == in_memory and ph is not None and ph in self.index:
+        from_memory = ready * c
+        if full == ready and ph is not None and ph in self.index and ph not in self._arriving:
             from_memory += k * bs
         return Hit(full, k, ph, from_memory)
 
@@ -268,7 +275,7 @@ class SchedulerHalf:
         for ci in range(start // c, -(-end // c)):
             h = partial[1] if partial is not None and ci == partial[0] else st.hashes[ci]
             from_redis = h not in self.index
-            if from_redis and not load_async:
+            if not load_async and (from_redis or h in self._arriving):
                 slot = MISSING_SLOT  # evicted since the lookup: reported and recomputed
             elif from_redis:  # promoted into memory: the worker fetches it into this slot
                 slot = self.index.allocate(h)
@@ -276,6 +283,8 @@ class SchedulerHalf:
                     slot = MISSING_SLOT
                 else:
                     self.index.use(h)
+                    self._arriving[h] = self._arriving.get(h, 0) + 1
+                    self._fetching.setdefault(request.request_id, []).append(h)
             else:
                 slot = self.index.use(h)
             first = ci * c // bs
@@ -382,6 +391,12 @@ class SchedulerHalf:
                 if st is not None:
                     st.load_limit = min(index, st.load_limit if st.load_limit is not None
                                         else index)
+        for req_id in output.finished_recving or ():
+            for h in self._fetching.pop(req_id, ()):
+                if self._arriving[h] > 1:
+                    self._arriving[h] -= 1
+                else:
+                    del self._arriving[h]
         if self.blend is not None:
             self.blend.update(output)
 
@@ -438,7 +453,7 @@ class SchedulerHalf:
             elif not st.skip_reason:
                 st.skip_reason = "computed before a cache reset"
         self._lookup_start.clear()
-        self._partial_of.clear()
+        self._partial_of.clear()  # fetches still arriving keep their entries: new keys differ
         if self.blend is not None:
             self.blend.reset()
         logger.info("kvconnector: cache reset, %d stored chunks forgotten", forgotten)
@@ -455,7 +470,7 @@ class SchedulerHalf:
                "hit_splits": len(self._hit_split),
                "planned_loads": len(self._loads) + len(self._async_loads),
                "planned_finished_saves": len(self._finished_saves),
-               "partial_hits": len(self._partial_of),
+               "partial_hits": len(self._partial_of), "arriving": len(self._arriving),
                "pinned_slots": self.index.pinned}
         if self.blend is not None:
             out.update(self.blend.outstanding())

@@ -153,3 +153,21 @@ def test_chunks_computed_over_a_failed_load_are_never_stored(tiny_model, tmp_pat
             {"op": "generate", "prompts": [P1]}, {"op": "totals"}]})
     assert second[0][0]["cached"] == P1_HIT and second[1]["redis_loaded_chunks"] == 3
     assert second[0][0]["tokens"] == baseline[0]
+
+
+def test_a_chunk_on_its_way_from_redis_is_not_read_before_it_arrives(tiny_model, tmp_path,
+                                                                     baseline, redis_server):
+    """Requests of one step that share a prefix held in Redis only: the first promotes the
+    chunks into memory slots (a fetch on the copy thread); the others, finding them in
+    the index, read them in a job behind that fetch. Before, they read the slots at once,
+    still holding older chunks: caught by the key check, but every hit was recomputed."""
+    extra = {"memory_capacity": "64MiB", "redis_url": redis_server.url,
+             "redis_key_prefix": "arriving"}
+    shared = [[{"prompt": P1 + prompt(40 + i, 50), "max_tokens": 4} for i in range(3)]]
+    res = run_engine(tmp_path, {"model": tiny_model, "engines": [
+        {"connector": extra, "batches": [[{"prompt": P1, "max_tokens": 8}]]},  # to Redis
+        {"connector": extra, "batches": shared}]}, runner="differential_runner.py")
+    assert res[0]["outputs"][0][0]["tokens"] == baseline[0]
+    outs, totals = res[1]["outputs"][0], res[1]["totals"]
+    assert [o["cached"] for o in outs] == [P1_HIT] * 3, outs
+    assert totals["load_errors"] == 0 and totals["redis_loaded_chunks"] >= 3, totals

@@ -14,14 +14,17 @@ BLOCK = 16  # the CPU build's MLA block size: a real engine at GPU-sized blocks
 P1 = prompt(1, 700)
 HIT = (len(P1) - 1) // BLOCK * BLOCK  # 688: 2 chunks and 11 blocks of a partial chunk
 MEM = {"memory_capacity": "64MiB"}
+# vLLM prefers its AMX MLA kernels where the CPU has AMX tiles, and they take bf16 weights
+# only; the reference CPU MLA backend runs the fp32 model everywhere.
+CPU_MLA = {"attention_backend": "CPU_MLA"}
 
 
 def test_mla_model_reloads_its_latents(tiny_mla_model, tmp_path_factory):
     base = run_engine(tmp_path_factory.mktemp("mla-base"), {
-        "model": tiny_mla_model, "connector": None,
+        "model": tiny_mla_model, "connector": None, "llm": CPU_MLA,
         "steps": [{"op": "generate", "prompts": [P1]}]}, timeout=300)
     res = run_engine(tmp_path_factory.mktemp("mla"), {
-        "model": tiny_mla_model, "connector": MEM, "steps": [
+        "model": tiny_mla_model, "connector": MEM, "llm": CPU_MLA, "steps": [
             {"op": "generate", "prompts": [P1]},  # 0
             {"op": "generate", "prompts": [P1]},  # 1: both chunks from the store
             {"op": "corrupt", "prompt": P1, "chunk": 0, "reseal": True},  # 2

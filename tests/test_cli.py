@@ -143,3 +143,61 @@ def test_check_value_as_an_engine_would():
     mac = codec.mac_key(b"a-shared-secret-of-32-characters")
     assert check_value(key, good, desc, mac).reason == "mac"
     assert check_value(key, codec.encode(chunk, payload, mac_key=mac), desc, mac) is None
+
+
+# ---- verify against a real redis-server ------------------------------------------------
+
+MAC_SECRET = "a-shared-secret-of-32-characters"
+
+
+@pytest.fixture(scope="module")
+def redis_srv():
+    from tests.redis_server import RedisServer
+
+    with RedisServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+def empty_redis(redis_srv):
+    with redis_srv.client() as c:
+        c.flushall()
+    return redis_srv
+
+
+def _chunk(i: int, nbytes: int = 4096) -> tuple[ExpectedChunk, bytes]:
+    key = str(ChunkKey(FP.digest(), 0, i.to_bytes(16, "big")))
+    payload = bytes((i * 7 + j) % 251 for j in range(nbytes))
+    return ExpectedChunk(key, "kv", "float32", (4, nbytes // 16), nbytes), payload
+
+
+def _verify_json(capsys, url: str, *extra: str) -> tuple[int, dict]:
+    rc, out, err = run(capsys, "verify", url, "--json", "--no-progress", *extra)
+    assert rc in (0, 1), err
+    return rc, json.loads(out)
+
+
+@pytest.mark.parametrize("bad_mac", ["é" * 64, 7, ["a"]], ids=["non_ascii", "int", "list"])
+def test_verify_reports_a_malformed_mac_field_instead_of_crashing(capsys, monkeypatch,
+                                                                   empty_redis, bad_mac):
+    """Issue 21: a mac field of non-ASCII text crashed ``verify`` (TypeError in
+    hmac.compare_digest)."""
+    monkeypatch.setenv("KVC_TEST_MAC", MAC_SECRET)
+    mac = codec.mac_key(MAC_SECRET.encode())
+    c = empty_redis.client()
+    good, good_payload = _chunk(1)
+    c.set(f"kvc:{good.key}", codec.encode(good, good_payload, mac_key=mac))
+    bad, payload = _chunk(2)
+    fields = msgpack.unpackb(codec.encode_header(bad, payload, mac_key=mac)[codec.PREFIX_LEN:])
+    fields["mac"] = bad_mac
+    header = msgpack.packb(fields, use_bin_type=True)
+    c.set(f"kvc:{bad.key}", codec.PREFIX.pack(codec.MAGIC, len(header)) + header + payload)
+    for keyed in (("--mac-key-env", "KVC_TEST_MAC"), ()):
+        rc, report = _verify_json(capsys, empty_redis.url, *keyed)
+        assert rc == 1 and report["checked"] == 2
+        assert [p["key"] for p in report["problems"]] == [f"kvc:{bad.key}"]
+        assert report["reasons"] == {"header_fields": 1}
+    rc, report = _verify_json(capsys, empty_redis.url, "--mac-key-env", "KVC_TEST_MAC",
+                              "--delete")
+    assert rc == 1 and report["deleted"] == 1
+    assert c.exists(f"kvc:{bad.key}") == 0 and c.exists(f"kvc:{good.key}") == 1

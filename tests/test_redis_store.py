@@ -471,6 +471,34 @@ def test_store_with_mac_key_loads_only_signed_values(redis_server):
         assert s.snapshot()["corrupt_reasons"] == {"mac": 1}
 
 
+@pytest.mark.parametrize("bad_mac", ["é" * 64, "z" * 64, 12345, ["a", "b"]],
+                         ids=["non_ascii", "non_hex", "int", "list"])
+@pytest.mark.parametrize("keyed", [True, False], ids=["with_key", "without_key"])
+def test_malformed_mac_field_is_a_deleted_miss_not_a_backoff(redis_server, bad_mac, keyed):
+    """Issue 21: a mac of non-ASCII text passed the header checks and made
+    hmac.compare_digest raise, which the store took for a connection fault (backoff on
+    every fetch, the value never deleted)."""
+    exp, payload = make_chunk(1, 64 * 1024, seed=1)
+    good_exp, good_payload = make_chunk(2, 4096, seed=2)
+    fields = dict(header_dict(exp, payload), mac=bad_mac)
+    with RedisStore.from_url(redis_server.url, mac_key=MAC_KEY if keyed else None,
+                             backoff_initial_s=30.0) as s:
+        c = redis_server.client()
+        c.set(s.redis_key(exp.key), raw_value(fields, payload))
+        assert s.put_many([(good_exp.key, codec.encode_header(good_exp, good_payload,
+                                                              mac_key=MAC_KEY),
+                            good_payload)]) == 1
+        for _ in range(2):
+            got = s.get_many([exp.key, good_exp.key], [exp, good_exp])
+            assert got[0] is None and bytes(got[1]) == good_payload
+        snap = s.snapshot()
+        assert not snap["in_backoff"] and snap["backoffs"] == 0 and snap["errors"] == 0
+        assert snap["corrupt"] == 1 and snap["corrupt_deleted"] == 1
+        assert snap["corrupt_reasons"] == {"header_fields": 1}
+        assert snap["hits"] == 2 and snap["misses"] == 2
+        assert c.exists(s.redis_key(exp.key)) == 0
+
+
 # ---- URLs and logs --------------------------------------------------------------------
 
 def test_url_password_db_and_unix_socket():

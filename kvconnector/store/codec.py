@@ -17,7 +17,7 @@ The header is a msgpack map with exactly these fields:
 
 and, when the writer has a MAC key (``mac_key``), one more:
 
-    ``mac``     keyed BLAKE3 (hex) over the other fields and the payload
+    ``mac``     keyed BLAKE3 over the other fields and the payload (64 lowercase hex digits)
 
 The checksum catches accidents (a bit flipped in memory or on the wire, a value cut
 short). XXH3-64 hashes about 100 GB/s on one core here, zlib's CRC32 6 GB/s. Unlike a CRC
@@ -33,6 +33,12 @@ The header goes first so that the payload can be sent as its own buffer, never c
 one joined value (``encode_header``), and so that a reader can check everything but the
 checksum before it reads the payload (``check_prefix``/``check_header``/``check_payload``,
 which ``parse`` chains). Nothing here unpickles: the header is msgpack with small limits.
+
+Whatever a value holds, these checks either accept it or raise ``CorruptValue``: a reader
+counts and deletes such a value as a miss. Any other exception would leave the decoder as
+if it were the reader's own fault (a store takes it for a connection error), so the header
+checks hold every field to its exact type and form (``mac``: 64 lowercase hex digits), and
+each check turns anything unforeseen into a ``CorruptValue`` as a last resort.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ MAC_BYTES = 32
 MIN_SECRET_BYTES = 16
 _U64 = 2**64 - 1
 _MAC_CONTEXT = "kvconnector chunk MAC v1"
+_HEX_DIGITS = b"0123456789abcdef"  # a MAC field is 2 * MAC_BYTES of them (hexdigest())
 
 #: Every ``CorruptValue.reason``, in the order ``parse`` checks them.
 REASONS = ("too_short", "bad_magic", "header_too_long", "truncated", "header_unpack",
@@ -74,6 +81,18 @@ class CorruptValue(ValueError):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
+
+
+def _unforeseen(reason: str, e: Exception) -> CorruptValue:
+    """What a check raises for any other exception it meets in a value (a case the field
+    checks missed): every check raises nothing but ``CorruptValue``."""
+    return CorruptValue(reason, f"{type(e).__name__}: {e}")
+
+
+def is_mac(x: Any) -> bool:
+    """Whether ``x`` has the form of a MAC field: 64 lowercase hex digits (a str)."""
+    return (isinstance(x, str) and len(x) == 2 * MAC_BYTES and x.isascii()
+            and not x.encode("ascii").translate(None, _HEX_DIGITS))
 
 
 @dataclass(frozen=True)
@@ -156,6 +175,15 @@ def check_prefix(prefix: bytes | memoryview, value_len: int) -> int:
 
     Returns the header length. The limit is checked before anything is unpacked.
     """
+    try:
+        return _check_prefix(prefix, value_len)
+    except CorruptValue:
+        raise
+    except Exception as e:
+        raise _unforeseen("bad_magic", e) from None
+
+
+def _check_prefix(prefix: bytes | memoryview, value_len: int) -> int:
     if value_len < PREFIX_LEN or len(prefix) < PREFIX_LEN:
         raise CorruptValue("too_short", f"{value_len} bytes")
     magic, header_len = PREFIX.unpack_from(prefix)
@@ -237,10 +265,9 @@ def _fast_header(header: bytes, expected: ExpectedChunk) -> dict[str, Any] | Non
         return fields if at == n else None
     if header.startswith(_MAC_VALUE, at) and n == at + len(_MAC_VALUE) + 2 * MAC_BYTES:
         mac = header[at + len(_MAC_VALUE):]
-        try:
-            fields[MAC_FIELD] = mac.decode("ascii")
-        except UnicodeDecodeError:
-            return None
+        if mac.translate(None, _HEX_DIGITS):
+            return None  # the full check says what is wrong with it
+        fields[MAC_FIELD] = mac.decode("ascii")
         return fields
     return None
 
@@ -248,6 +275,15 @@ def _fast_header(header: bytes, expected: ExpectedChunk) -> dict[str, Any] | Non
 def unpack_header(header: bytes | memoryview) -> Mapping[str, Any]:
     """Unpack a header with strict limits and check its fields and version (not what they
     say: ``check_header`` compares that with what the reader expects)."""
+    try:
+        return _unpack_header(header)
+    except CorruptValue:
+        raise
+    except Exception as e:
+        raise _unforeseen("header_fields", e) from None
+
+
+def _unpack_header(header: bytes | memoryview) -> Mapping[str, Any]:
     try:
         fields = msgpack.unpackb(
             header, raw=False, use_list=True, strict_map_key=True,
@@ -265,9 +301,10 @@ def unpack_header(header: bytes | memoryview) -> Mapping[str, Any]:
     if names - {MAC_FIELD} != FIELDS:
         raise CorruptValue("header_fields", f"missing {sorted(FIELDS - names)}, "
                                             f"extra {sorted(map(str, names - FIELDS))}")
-    if MAC_FIELD in names and not (isinstance(fields[MAC_FIELD], str)
-                                   and len(fields[MAC_FIELD]) == 2 * MAC_BYTES):
-        raise CorruptValue("header_fields", f"bad {MAC_FIELD}")
+    if MAC_FIELD in names and not is_mac(fields[MAC_FIELD]):
+        # Not only a wrong type: hmac.compare_digest raises for non-ASCII text.
+        raise CorruptValue("header_fields", f"bad {MAC_FIELD}: not {2 * MAC_BYTES} "
+                                            "lowercase hex digits")
     for name, ok in _FIELD_TYPES.items():
         if not ok(fields[name]):
             raise CorruptValue("header_fields", f"bad {name}: {fields[name]!r}")
@@ -280,10 +317,18 @@ def check_header(header: bytes | memoryview, expected: ExpectedChunk) -> Mapping
     Headers byte for byte as this module writes them for ``expected`` take a short cut
     (a comparison instead of an unpack: a few microseconds per value); anything else is
     unpacked and checked field by field."""
-    fast = _fast_header(bytes(header), expected)
-    if fast is not None:
-        return fast
-    fields = unpack_header(header)
+    try:
+        fast = _fast_header(bytes(header), expected)
+        if fast is not None:
+            return fast
+        return _compare_header(unpack_header(header), expected)
+    except CorruptValue:
+        raise
+    except Exception as e:
+        raise _unforeseen("header_fields", e) from None
+
+
+def _compare_header(fields: Mapping[str, Any], expected: ExpectedChunk) -> Mapping[str, Any]:
     if fields["key"] != expected.key:
         raise CorruptValue("key", f"value holds {fields['key']}, expected {expected.key}")
     for name in ("layout", "dtype"):
@@ -297,10 +342,16 @@ def check_header(header: bytes | memoryview, expected: ExpectedChunk) -> Mapping
 
 
 def check_payload_len(header: Mapping[str, Any], payload_len: int) -> None:
-    if payload_len < header["nbytes"]:
-        raise CorruptValue("truncated", f"payload {payload_len} < {header['nbytes']} bytes")
-    if payload_len > header["nbytes"]:
-        raise CorruptValue("too_large", f"payload {payload_len} > {header['nbytes']} bytes")
+    try:
+        nbytes = header["nbytes"]
+        if payload_len < nbytes:
+            raise CorruptValue("truncated", f"payload {payload_len} < {nbytes} bytes")
+        if payload_len > nbytes:
+            raise CorruptValue("too_large", f"payload {payload_len} > {nbytes} bytes")
+    except CorruptValue:
+        raise
+    except Exception as e:
+        raise _unforeseen("header_fields", e) from None
 
 
 def check_payload(header: Mapping[str, Any], payload: memoryview,
@@ -308,15 +359,23 @@ def check_payload(header: Mapping[str, Any], payload: memoryview,
     """The payload's length, then its MAC when the reader has a key (which makes the
     checksum redundant), else its XXH3-64."""
     check_payload_len(header, payload.nbytes)
-    if mac_key is not None:
-        if MAC_FIELD not in header:
-            raise CorruptValue("mac", "the value carries no MAC")
-        if not hmac.compare_digest(_mac(mac_key, header, payload), header[MAC_FIELD]):
-            raise CorruptValue("mac", "the MAC does not match")
-        return
-    digest = checksum(payload)
-    if digest != header["xxh3"]:
-        raise CorruptValue("checksum", f"xxh3 {digest:#018x} != {header['xxh3']:#018x}")
+    try:
+        if mac_key is not None:
+            mac = header.get(MAC_FIELD)
+            if mac is None:
+                raise CorruptValue("mac", "the value carries no MAC")
+            # A malformed mac (check_header refuses them; a header from elsewhere may
+            # carry one) makes compare_digest raise TypeError: a "mac" CorruptValue below.
+            if not hmac.compare_digest(_mac(mac_key, header, payload), mac):
+                raise CorruptValue("mac", "the MAC does not match")
+            return
+        digest = checksum(payload)
+        if digest != header["xxh3"]:
+            raise CorruptValue("checksum", f"xxh3 {digest:#018x} != {header['xxh3']:#018x}")
+    except CorruptValue:
+        raise
+    except Exception as e:
+        raise _unforeseen("checksum" if mac_key is None else "mac", e) from None
 
 
 def parse(value: bytes | bytearray | memoryview, expected: ExpectedChunk, *,

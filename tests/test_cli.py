@@ -201,3 +201,89 @@ def test_verify_reports_a_malformed_mac_field_instead_of_crashing(capsys, monkey
                               "--delete")
     assert rc == 1 and report["deleted"] == 1
     assert c.exists(f"kvc:{bad.key}") == 0 and c.exists(f"kvc:{good.key}") == 1
+
+
+def test_verify_with_a_mac_key_never_deletes_valid_chunks_for_a_forged_descriptor(
+        capsys, monkeypatch, empty_redis):
+    """Issue 21: anyone who can write to Redis could plant a descriptor with another
+    shape under a fingerprint (its fields are no secret), and ``verify --delete`` with the
+    MAC key then deleted every valid chunk of it: the header was held to the descriptor
+    before the MAC was checked."""
+    monkeypatch.setenv("KVC_TEST_MAC", MAC_SECRET)
+    mac = codec.mac_key(MAC_SECRET.encode())
+    c = empty_redis.client()
+    fp = FP.digest().hex()
+    chunks = [_chunk(i) for i in range(3)]
+    for exp, payload in chunks:
+        c.set(f"kvc:{exp.key}", codec.encode(exp, payload, mac_key=mac))
+    unsigned, payload = _chunk(9)  # right checksum, no MAC: verify must still find it
+    c.set(f"kvc:{unsigned.key}", codec.encode(unsigned, payload))
+    real = chunks[0][0]
+    forged_geometry = ExpectedChunk("", real.layout, real.dtype,
+                                    (real.shape[0] * 2, real.shape[1] // 2), real.nbytes)
+    forgeries = {
+        "unsigned": descriptor.encode(FP, forged_geometry),
+        "other key": descriptor.encode(FP, forged_geometry,
+                                       mac_key=codec.mac_key(b"not-the-engines-key")),
+    }
+    for name, forged in forgeries.items():
+        c.set(f"kvc:fp:{fp}", forged)
+        rc, report = _verify_json(capsys, empty_redis.url, "--mac-key-env", "KVC_TEST_MAC",
+                                  "--delete")
+        bad = {p["key"]: p["reason"] for p in report["problems"]}
+        assert rc == 1, name
+        assert bad.get(f"kvc:{unsigned.key}", "mac") == "mac", name
+        assert set(bad) <= {f"kvc:fp:{fp}", f"kvc:{unsigned.key}"}, (name, bad)
+        assert bad[f"kvc:fp:{fp}"] == "descriptor", name
+        for exp, _ in chunks:
+            assert c.exists(f"kvc:{exp.key}") == 1, name  # every valid chunk is kept
+    assert c.exists(f"kvc:{unsigned.key}") == 0 and c.exists(f"kvc:fp:{fp}") == 0
+    # A descriptor signed with the engines' key is trusted and used ...
+    c.set(f"kvc:fp:{fp}", descriptor.encode(FP, real.__class__("", *[
+        getattr(real, f) for f in ("layout", "dtype", "shape", "nbytes")]), mac_key=mac))
+    rc, report = _verify_json(capsys, empty_redis.url, "--mac-key-env", "KVC_TEST_MAC")
+    assert rc == 0 and report["checked"] == 3 and not report["problems"]
+    assert not report["warnings"]
+    # A signed descriptor that disagrees with signed values: they are kept, and said so.
+    c.set(f"kvc:fp:{fp}", descriptor.encode(FP, forged_geometry, mac_key=mac))
+    rc, report = _verify_json(capsys, empty_redis.url, "--mac-key-env", "KVC_TEST_MAC",
+                              "--delete")
+    assert rc == 0 and not report["problems"] and report["deleted"] == 0
+    assert len(report["warnings"]) == 1 and "3 value(s)" in report["warnings"][0]
+    assert "(shape)" in report["warnings"][0]
+    assert all(c.exists(f"kvc:{exp.key}") for exp, _ in chunks)
+    # ... and still read, as before, by a verify without a key (old descriptors too).
+    c.set(f"kvc:fp:{fp}", descriptor.encode(FP, forged_geometry))
+    rc, report = _verify_json(capsys, empty_redis.url)
+    assert rc == 1 and report["reasons"] == {"shape": 3}  # held to the (unsigned) descriptor
+
+
+def test_signed_descriptors():
+    mac = codec.mac_key(MAC_SECRET.encode())
+    chunk = ExpectedChunk("", "kv", "float32", (2, 2, 256, 2, 32), 262144)
+    signed = descriptor.encode(FP, chunk, now=5.0, mac_key=mac)
+    plain = descriptor.encode(FP, chunk, now=5.0)
+    d = descriptor.decode(signed, mac_key=mac)
+    assert d.signed and d.shape == chunk.shape and d.matches(FP.digest().hex())
+    assert descriptor.decode(signed) == descriptor.decode(plain)  # readers without a key
+    assert descriptor.sign(plain, mac) == signed
+    other = codec.mac_key(b"not-the-engines-key")
+    body = msgpack.unpackb(signed[4:])
+    tampered = descriptor.MAGIC + msgpack.packb(
+        dict(body, chunk=dict(body["chunk"], shape=[4, 256])), use_bin_type=True)
+    for bad, why in ((plain, "unsigned"), (descriptor.encode(FP, chunk, mac_key=other), "MAC"),
+                     (tampered, "MAC"),
+                     (descriptor.MAGIC + msgpack.packb(dict(body, mac="é" * 64)), "MAC"),
+                     (descriptor.MAGIC + msgpack.packb(dict(body, mac=7)), "MAC")):
+        with pytest.raises(ValueError, match=why):
+            descriptor.decode(bad, mac_key=mac)
+    # check_value with a key: the MAC first; a valid chunk is never held to a descriptor
+    key = str(ChunkKey(FP.digest(), 0, b"\x02" * 16))
+    payload = bytes(range(256)) * 16
+    exp = ExpectedChunk(key, "kv", "float32", (4, 256), len(payload))
+    good = codec.encode(exp, payload, mac_key=mac)
+    liar = descriptor.decode(descriptor.encode(FP, ExpectedChunk("", "kv", "float32", (8, 128),
+                                                                 len(payload))))
+    assert check_value(key, good, liar, mac) is None
+    assert check_value(key, codec.encode(exp, payload), liar, mac).reason == "mac"
+    assert check_value(key, good, liar, None).reason == "shape"  # no key: as before

@@ -471,6 +471,32 @@ def test_store_with_mac_key_loads_only_signed_values(redis_server):
         assert s.snapshot()["corrupt_reasons"] == {"mac": 1}
 
 
+def test_store_with_mac_key_signs_the_descriptors_it_writes(redis_server):
+    """Issue 21: descriptors went out unsigned, so a reader with the MAC key could not tell
+    an engine's from a forged one. The tier hands them to put_many as (key, b"", value)."""
+    from kvconnector.keys import Fingerprint
+    from kvconnector.store import descriptor
+
+    fingerprint = Fingerprint("m", "", "d", "float32", "chunk", 16, 2, 2, 32, 1, 256, "ns")
+    exp, _ = make_chunk(1, 4096)
+    dkey = descriptor.descriptor_key(fingerprint.digest().hex())
+    c = redis_server.client()
+    with RedisStore.from_url(redis_server.url, mac_key=MAC_KEY) as s:
+        assert s.put_many([(dkey, b"", descriptor.encode(fingerprint, exp))]) == 1
+        value = c.get(s.redis_key(dkey))
+        d = descriptor.decode(value, mac_key=MAC_KEY)
+        assert d.signed and d.shape == exp.shape and d.matches(fingerprint.digest().hex())
+        assert descriptor.decode(value).nbytes == exp.nbytes  # readers without a key
+        with pytest.raises(ValueError, match="MAC"):
+            descriptor.decode(value, mac_key=codec.mac_key(b"not-the-engines-key"))
+        # one the tier signed itself goes out as it is
+        signed = descriptor.encode(fingerprint, exp, mac_key=MAC_KEY)
+        assert s.put_many([(dkey, b"", signed)]) == 1 and c.get(s.redis_key(dkey)) == signed
+    with RedisStore.from_url(redis_server.url) as s:  # no key: written as given
+        plain = descriptor.encode(fingerprint, exp)
+        assert s.put_many([(dkey, b"", plain)]) == 1 and c.get(s.redis_key(dkey)) == plain
+
+
 @pytest.mark.parametrize("bad_mac", ["é" * 64, "z" * 64, 12345, ["a", "b"]],
                          ids=["non_ascii", "non_hex", "int", "list"])
 @pytest.mark.parametrize("keyed", [True, False], ids=["with_key", "without_key"])

@@ -1,8 +1,13 @@
-"""``kvconnector verify``: read every stored value and check it as an engine would."""
+"""``kvconnector verify``: read every stored value and check it as an engine would.
+
+With the engines' MAC key, a value's MAC is checked first, against the value's own header:
+a value it vouches for was written by a holder of the key and is never deleted for what a
+descriptor says, and only descriptors signed with the key are used at all (anyone who can
+write to Redis can write a descriptor; the fingerprint's fields are no secret)."""
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -31,26 +36,36 @@ class Report:
     problems: list[Problem] = field(default_factory=list)
     deleted: int = 0
     warnings: list[str] = field(default_factory=list)
+    # fingerprint -> signed values (valid MAC) that differ from its signed descriptor: kept
+    differ: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
 
     def reasons(self) -> dict[str, int]:
         return dict(Counter(p.reason for p in self.problems))
 
 
+def _own_expected(chunk_key: str, header: memoryview) -> ExpectedChunk:
+    f = codec.unpack_header(header)
+    return ExpectedChunk(chunk_key, f["layout"], f["dtype"], tuple(f["shape"]), f["nbytes"])
+
+
 def check_value(chunk_key: str, value: bytes, desc: descriptor.Descriptor | None,
                 mac_key: bytes | None) -> CorruptValue | None:
     """What is wrong with the value stored under ``chunk_key`` (the key without the
-    prefix), or None. With the fingerprint's descriptor the header is held to what its
-    engines expect; without one, to itself (key, field types, payload length)."""
+    prefix), or None.
+
+    With ``mac_key`` the value is held to its own header (key, field types, payload
+    length) and its MAC, never to ``desc``: a valid MAC means a holder of the key wrote it
+    (``differs_from`` compares it with a trusted descriptor). Without a key, with the
+    fingerprint's descriptor the header is held to what its engines expect; without one,
+    to itself; then the checksum."""
     mv = memoryview(value)
     try:
         header_len = codec.check_prefix(mv[:codec.PREFIX_LEN], mv.nbytes)
         header = mv[codec.PREFIX_LEN:codec.PREFIX_LEN + header_len]
-        if desc is not None:
+        if desc is not None and mac_key is None:
             expected = desc.expected(chunk_key)
         else:
-            f = codec.unpack_header(header)
-            expected = ExpectedChunk(chunk_key, f["layout"], f["dtype"], tuple(f["shape"]),
-                                     f["nbytes"])
+            expected = _own_expected(chunk_key, header)
         checked = codec.check_header(header, expected)
         codec.check_payload(checked, mv[codec.PREFIX_LEN + header_len:], mac_key)
     except CorruptValue as c:
@@ -58,9 +73,23 @@ def check_value(chunk_key: str, value: bytes, desc: descriptor.Descriptor | None
     return None
 
 
-def _descriptors(target: Target, report: Report, delete: bool,
-                 progress: bool | None) -> dict[str, descriptor.Descriptor]:
-    """Trusted descriptors by fingerprint; broken ones are problems."""
+def differs_from(chunk_key: str, value: bytes, desc: descriptor.Descriptor) -> str | None:
+    """How the header of a value that passed ``check_value`` differs from what ``desc``
+    says its engines expect (a ``CorruptValue`` reason), or None."""
+    mv = memoryview(value)
+    try:
+        header_len = codec.check_prefix(mv[:codec.PREFIX_LEN], mv.nbytes)
+        codec.check_header(mv[codec.PREFIX_LEN:codec.PREFIX_LEN + header_len],
+                           desc.expected(chunk_key))
+    except CorruptValue as c:
+        return c.reason
+    return None
+
+
+def _descriptors(target: Target, report: Report, delete: bool, progress: bool | None,
+                 mac_key: bytes | None) -> dict[str, descriptor.Descriptor]:
+    """Trusted descriptors by fingerprint; broken ones (with ``mac_key``: unsigned or
+    badly signed ones too) are problems, never used."""
     known = {f.name for f in fields(Fingerprint)}
     out: dict[str, descriptor.Descriptor] = {}
     pattern = f"{glob_escape(target.prefix)}:{descriptor.TAG}:*"
@@ -75,7 +104,7 @@ def _descriptors(target: Target, report: Report, delete: bool,
             if value is None:
                 continue
             try:
-                desc = descriptor.decode(value)
+                desc = descriptor.decode(value, mac_key=mac_key)
             except ValueError as e:
                 bad.append(key)
                 report.problems.append(Problem(key.decode(), "descriptor", str(e)))
@@ -106,7 +135,7 @@ def verify(target: Target, *, mac_key: bytes | None = None, delete: bool = False
            progress: bool | None = None) -> Report:
     report = Report()
     try:
-        descs = _descriptors(target, report, delete, progress)
+        descs = _descriptors(target, report, delete, progress, mac_key)
         head = len(target.prefix) + 1
         for client, keys in scan(target, glob_escape(target.prefix) + ":*", progress,
                                  "verify"):
@@ -133,6 +162,10 @@ def verify(target: Target, *, mac_key: bytes | None = None, delete: bool = False
                 report.deleted += _unlink(client, bad)
     except redis.RedisError as e:
         raise CliError(f"{target.safe_url}: {type(e).__name__}: {e}") from None
+    for fp, reasons in sorted(report.differ.items()):
+        report.warnings.append(
+            f"{sum(reasons.values())} value(s) of fingerprint {fp} carry a valid MAC but "
+            f"differ from its signed descriptor ({', '.join(sorted(reasons))}); kept")
     return report
 
 
@@ -149,10 +182,15 @@ def _check_batch(client: redis.Redis, batch: list[tuple[bytes, str]],
             continue
         report.checked += 1
         report.checked_bytes += len(value)
-        problem = check_value(key[head:].decode(), value, descs.get(fp), mac_key)
+        desc = descs.get(fp)
+        problem = check_value(key[head:].decode(), value, desc, mac_key)
         if problem is not None:
             bad.append(key)
             report.problems.append(Problem(key.decode(), problem.reason, problem.detail))
+        elif mac_key is not None and desc is not None:
+            reason = differs_from(key[head:].decode(), value, desc)
+            if reason is not None:
+                report.differ[fp][reason] += 1
     return bad
 
 

@@ -52,7 +52,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvconnector.store import codec
+from kvconnector.store import codec, descriptor
 from kvconnector.store.codec import CorruptValue, ExpectedChunk
 
 logger = logging.getLogger("kvconnector.store.redis")
@@ -61,6 +61,7 @@ _SECRET_QUERY_KEYS = {"password", "pass", "passwd", "pwd", "auth", "token", "sec
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 _SCHEMES = {"redis", "rediss", "unix", *_CLUSTER_SCHEMES}
 
+_DESCRIPTOR_KEY = descriptor.descriptor_key("")  # "fp:", a descriptor's key without the hex
 _COALESCE = 16 * 1024  # payloads up to this size are copied into the command buffer
 _DIRECT_READ = 16 * 1024  # reads at least this large go straight into the destination
 _READ_BUF = 64 * 1024
@@ -517,9 +518,15 @@ class RedisStore:
 
         One pipeline of SETs (with EX/PX when ``ttl_s`` is set); payloads are written from
         their own buffers, not copied. Returns how many were stored; never raises for a
-        Redis fault (the items are then simply not stored, and counted)."""
+        Redis fault (the items are then simply not stored, and counted).
+
+        A fingerprint's descriptor goes as ``(descriptor.descriptor_key(...), b"", value)``;
+        with ``mac_key`` the store signs it (``descriptor.sign``), as it is the chunks:
+        readers with the key use only signed descriptors."""
         if not items:
             return 0
+        if self.mac_key is not None:
+            items = [self._signed_descriptor(it) for it in items]
         rkeys: list[bytes] = []
         cmds: list[Any] = []
         sizes: list[int] = []
@@ -552,6 +559,17 @@ class RedisStore:
         self._note_reply_errors(reply_errors)
         self._count(puts=n, put_bytes=nbytes, put_failed=len(items) - n)
         return n
+
+    def _signed_descriptor(self, item: tuple[Any, bytes, Any]) -> tuple[Any, bytes, Any]:
+        key, header, payload = item
+        if header or not str(key).startswith(_DESCRIPTOR_KEY) or \
+                not descriptor.is_descriptor(payload):
+            return item
+        try:
+            return key, header, descriptor.sign(bytes(_byte_view(payload)), self.mac_key)
+        except ValueError as e:  # not well formed: sent as it is, a reader refuses it
+            logger.debug("kvconnector redis: descriptor %s not signed: %s", key, e)
+            return item
 
     def get_many(self, keys: Sequence[Any], expected: Sequence[ExpectedChunk],
                  out: Sequence[Any] | None = None) -> list[memoryview | None]:

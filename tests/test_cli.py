@@ -53,7 +53,7 @@ def test_config_json_from_a_file_with_an_lmcache_file(capsys, tmp_path):
     assert rc == 0 and got["ok"]
     assert got["settings"]["chunk_size"] == 512
     assert got["sources"]["chunk_size"] == f"LMCache file {lm} (chunk_size)"
-    assert got["settings"]["redis_url"] == "redis://:***@cache:6379"
+    assert got["settings"]["redis_url"] == "redis://***@cache:6379"
     assert "pw-in-file" not in out
 
 

@@ -23,7 +23,7 @@ import redis
 
 from kvconnector.keys import HASH_BYTES
 from kvconnector.store import descriptor
-from kvconnector.store.redis_store import redact_url
+from kvconnector.store.redis_store import redact_url, url_userinfo_problem
 
 SCAN_COUNT = 1000
 _HEX = rf"[0-9a-f]{{{2 * HASH_BYTES}}}"
@@ -59,6 +59,11 @@ def connect(url: str, prefix: str, password: str | None = None) -> Target:
     if scheme not in ("redis", "rediss", "unix", *_CLUSTER_SCHEMES):
         raise CliError(f"unsupported URL {safe!r}: use redis://, rediss://, unix://, "
                        "redis+cluster:// or rediss+cluster://")
+    problem = url_userinfo_problem(url)
+    if problem is not None:
+        problem = problem.replace("redis_password_env / redis_password_file",
+                                  "--password-env / --password-file")
+        raise CliError(f"{safe}: {problem}")
     kw: dict[str, Any] = {"socket_timeout": 30, "socket_connect_timeout": 5, "protocol": 2}
     if password is not None:
         kw["password"] = password
@@ -82,6 +87,8 @@ def connect(url: str, prefix: str, password: str | None = None) -> Target:
                        "--password-env or --password-file") from None
     except redis.RedisError as e:
         raise CliError(f"{safe}: {type(e).__name__}: {e}") from None
+    except ValueError as e:  # redis-py's URL parser; its message may quote the password
+        raise CliError(f"{safe}: not a valid Redis URL ({type(e).__name__})") from None
 
 
 def glob_escape(text: str) -> str:

@@ -45,7 +45,6 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import numpy as np
 import redis
@@ -79,35 +78,85 @@ _NO_CLIENT_SETINFO: dict[str, Any] = (
     else {"lib_name": None, "lib_version": None})
 
 
-_USERINFO_RE = re.compile(r"(?<=://)([^:@/?#]*):([^@]*)@")
-_SECRET_RE = re.compile(r"(?i)\b(" + "|".join(sorted(_SECRET_QUERY_KEYS)) + r")=[^&#]*")
+# One host of a URL's netloc: a name or IPv4 address, or [IPv6], with an optional port.
+_HOSTPORT = r"(?:[A-Za-z0-9._-]+|\[[0-9A-Za-z:.%]+\])(?::[0-9]{1,5})?"
+_HOSTS_RE = re.compile(rf"(?:{_HOSTPORT}(?:,{_HOSTPORT})*)?")  # empty: unix://...@/path
+_HOSTPORT_RE = re.compile(_HOSTPORT)
+# A secret query parameter and its value (to the next & or #), wherever it is.
+_SECRET_RE = re.compile(r"(?i)(?<=[?&])(" + "|".join(sorted(_SECRET_QUERY_KEYS))
+                        + r")=[^&#]*")
+
+
+def _userinfo_end(rest: str) -> int | None:
+    """Where the userinfo of ``rest`` (a URL after "://") ends: the last "@" that is followed
+    by a list of hosts (up to the next "/", "?", "#" or the end) and is not inside a secret
+    query value. A password may hold "@", ":", "/", "?", "#" unencoded: with the last such
+    "@", all of it goes with the userinfo. None: no userinfo (and -1: one that cannot be
+    told apart from the rest, so nothing of the URL is safe to show)."""
+    secret_spans = [m.span() for m in _SECRET_RE.finditer(rest)]
+    found = False
+    for i in range(len(rest) - 1, -1, -1):
+        if rest[i] != "@":
+            continue
+        found = True
+        if any(a <= i < b for a, b in secret_spans):
+            continue
+        end = len(rest)
+        for sep in "/?#":
+            j = rest.find(sep, i + 1)
+            if j >= 0:
+                end = min(end, j)
+        if _HOSTS_RE.fullmatch(rest, i + 1, end):
+            return i
+    return -1 if found else None
+
+
+def _redact_userinfo(userinfo: str) -> str:
+    """``***`` for the userinfo; for a cluster URL with a userinfo per host
+    (``:pw@h1:7000,:pw@h2:7001``, the userinfo before the last "@" is
+    ``:pw@h1:7000,:pw``), ``***@h1:7000,***``: the hosts stay, only when every piece but
+    the last reads as userinfo@host (a "," in a password collapses it all to ``***``)."""
+    *pieces, _last = userinfo.split(",")
+    hosts = [piece.rpartition("@")[2] for piece in pieces]
+    if not all("@" in p and _HOSTPORT_RE.fullmatch(h) for p, h in zip(pieces, hosts,
+                                                                       strict=True)):
+        return "***"
+    return ",".join([*(f"***@{h}" for h in hosts), "***"])
 
 
 def redact_url(url: str) -> str:
-    """``url`` without its password (userinfo or query), safe to log."""
+    """``url`` without its secrets, safe to log: the userinfo (user and password, which
+    ``redis://PASSWORD@host`` puts in the user field) is replaced by ``***`` as a whole, for
+    each host of a cluster URL, and so are the values of secret query parameters
+    (``?password=``). Found by parsing the netloc, not by a pattern for a password: see
+    ``_userinfo_end``."""
     try:
-        parts = urlsplit(url)
-        netloc = parts.netloc
-        if "@" in netloc:
-            userinfo, _, hostport = netloc.rpartition("@")
-            user, colon, password = userinfo.partition(":")
-            if colon and password:
-                userinfo = f"{user}:***"
-            netloc = f"{userinfo}@{hostport}"
-        query = parts.query
-        if query:
-            pairs = parse_qsl(query, keep_blank_values=True)
-            query = urlencode([(k, "***" if k.lower() in _SECRET_QUERY_KEYS else v)
-                               for k, v in pairs], safe="*/")
-        out = f"{parts.scheme}://{netloc}{parts.path}"
-        out += (f"?{query}" if query else "") + (f"#{parts.fragment}" if parts.fragment else "")
+        scheme, sep, rest = url.partition("://")
+        if not sep:
+            scheme, rest = "", url
+        head = f"{scheme}{sep}"
+        at = _userinfo_end(rest)
+        if at == -1:
+            return f"{head}***"
+        if at is not None:
+            rest = f"{_redact_userinfo(rest[:at])}@{rest[at + 1:]}"
+        return head + _SECRET_RE.sub(lambda m: f"{m.group(1)}=***", rest)
     except Exception:
         return "<unparseable url>"
-    # Second pass on the text, for what a URL parser splits elsewhere (an unencoded "/" or
-    # "#" in a password): user:anything@ and secret=anything.
-    out = _USERINFO_RE.sub(lambda m: f"{m.group(1)}:***@" if m.group(2) != "***" else m[0],
-                           out)
-    return _SECRET_RE.sub(lambda m: f"{m.group(1)}=***", out)
+
+
+def url_userinfo_problem(url: str) -> str | None:
+    """Why redis-py would misread the userinfo of ``url``, or None. A "/", "?" or "#" in a
+    password ends the netloc for a URL parser: redis-py would connect to a host and port
+    cut from the password (and name them in its errors). Such a URL is refused."""
+    rest = url.partition("://")[2]
+    at = _userinfo_end(rest)
+    if at == -1 or (at is not None and any(c in rest[:at] for c in "/?#")):
+        return ("its userinfo holds '/', '?' or '#' (or cannot be told from the host): "
+                "percent-encode them in the password (%2F, %3F, %23) and any '@' after the "
+                "host (%40), or give the password with redis_password_env / "
+                "redis_password_file")
+    return None
 
 
 def url_has_password(url: str) -> bool:
@@ -373,6 +422,9 @@ class RedisStore:
         if scheme not in _SCHEMES:
             raise ValueError(f"unsupported Redis URL {redact_url(url)!r}: use redis://, "
                              "rediss://, unix://, redis+cluster:// or rediss+cluster://")
+        problem = url_userinfo_problem(url)
+        if problem is not None:
+            raise ValueError(f"Redis URL {redact_url(url)!r}: {problem}")
         if scheme in _CLUSTER_SCHEMES:
             cluster = True
             url = _CLUSTER_SCHEMES[scheme] + url[len(scheme):]
@@ -420,7 +472,11 @@ class RedisStore:
         self._cluster_lock = threading.Lock()
         if not cluster:
             # Parses the URL (password, db, TLS, unix socket); connects on first use.
-            self._pool = redis.ConnectionPool.from_url(url, **self._conn_kwargs)
+            try:
+                self._pool = redis.ConnectionPool.from_url(url, **self._conn_kwargs)
+            except ValueError as e:  # its message may quote the URL's parts: not shown
+                raise ValueError(f"bad Redis URL {self.safe_url!r} ({type(e).__name__})") \
+                    from None
             self._pool.connection_kwargs["protocol"] = 2  # the wire code here speaks RESP2
         logger.info("kvconnector redis store: %s (prefix %r, cluster=%s, ttl=%s, timeout=%.3gs)",
                     self.safe_url, key_prefix, cluster, ttl_s, timeout_s)

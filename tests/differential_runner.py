@@ -20,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.engine_runner import (  # noqa: E402
     _flush_redis,
+    _run_to_completion,
     _scheduler_outstanding,
     _worker_outstanding,
     _worker_totals,
@@ -39,18 +40,7 @@ def run_batch(engine, batch: list[dict], tag: str, deadline: float) -> list[dict
     for rid, r in zip(ids, batch, strict=True):
         if r.get("abort_after") is not None:
             aborts.setdefault(r["abort_after"], []).append(rid)
-    done: dict[str, dict] = {}
-    steps = 0
-    while engine.has_unfinished_requests():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"requests of {tag} unfinished: {sorted(set(ids) - set(done))}")
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = {"tokens": list(o.outputs[0].token_ids),
-                                      "cached": o.num_cached_tokens or 0}
-        steps += 1
-        if steps in aborts:
-            engine.abort_request([r for r in aborts[steps] if r not in done])
+    done = _run_to_completion(engine, deadline, aborts)
     return [None if batch[i].get("abort_after") is not None else done.get(rid)
             for i, rid in enumerate(ids)]
 

@@ -231,15 +231,22 @@ def _redis_keys(llm, step: dict) -> list[list[str]]:
             for p in step["prompts"]]
 
 
-def _run_to_completion(engine, deadline: float) -> dict:
+def _run_to_completion(engine, deadline: float,
+                       aborts: dict[int, list[str]] | None = None) -> dict:
+    """Step until every request finished: tokens and cached tokens per request id.
+    ``aborts``: step count -> request ids aborted after that many steps."""
     out: dict = {}
+    steps = 0
     while engine.has_unfinished_requests():
         if time.monotonic() > deadline:
             raise TimeoutError(f"requests still unfinished: {sorted(out)} done")
         for o in engine.step():
             if o.finished:
                 out[o.request_id] = {"tokens": list(o.outputs[0].token_ids),
-                                     "cached": o.num_cached_tokens}
+                                     "cached": o.num_cached_tokens or 0}
+        steps += 1
+        if aborts and steps in aborts:
+            engine.abort_request([r for r in aborts[steps] if r not in out])
     return out
 
 

@@ -389,15 +389,17 @@ def blend_unsupported_reason(vllm_config: VllmConfig) -> str | None:
     return None
 
 
-def encode_text(vllm_config: VllmConfig, text: str) -> list[int]:
-    """``text`` through the model's tokenizer alone, without special tokens."""
+def separator_ids(vllm_config: VllmConfig, text: str) -> list[int]:
+    """The blend separator ``text`` as the model's tokenizer writes it inside prompts."""
     from vllm.tokenizers import cached_tokenizer_from_config
+
+    from kvconnector.blend.segments import separator_ids as ids_in_prompts
 
     tokenizer = cached_tokenizer_from_config(vllm_config.model_config)
     if tokenizer is None:
         raise ConfigError("blend_separator needs the tokenizer, which this engine does not "
                           "load (skip_tokenizer_init); give blend_separator_ids instead")
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return ids_in_prompts(tokenizer, text)
 
 
 def cpu_kv_writer(vllm_config: VllmConfig, spec: AttentionSpec):

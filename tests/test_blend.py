@@ -313,3 +313,22 @@ def test_attention_of_scattered_queries_over_all_keys(window, monkeypatch):
     q_pos = torch.tensor(sorted(torch.randperm(50, generator=gen)[:20].tolist()))
     got = recompute.attend(q, k, v, q_pos, 0.25, window)
     assert torch.allclose(got, _naive(q, k, v, q_pos, 0.25, window), atol=1e-5)
+
+
+def test_the_separator_is_found_where_a_prompt_holds_it():
+    """A trailing space is a token of its own when the separator is encoded alone, but
+    joins the next word in a prompt: the default " # # " was never found in text prompts
+    of byte-level BPE models (SmolLM2, Llama 3, Qwen2), so blend never ran for them."""
+    from transformers import AutoTokenizer
+
+    from kvconnector.blend.segments import find_segments, separator_ids
+    from kvconnector.tiny_model import build_tiny_mistral
+    from tests.conftest import CACHE
+
+    tok = AutoTokenizer.from_pretrained(build_tiny_mistral(CACHE / "tiny-mistral"))
+    prompt = tok.encode("alpha beta gamma # # delta cache chunk # # token prefix",
+                        add_special_tokens=False)
+    alone = tok.encode(" # # ", add_special_tokens=False)
+    assert len(find_segments(prompt, alone)) == 1  # not found: why this exists
+    assert len(find_segments(prompt, separator_ids(tok, " # # "))) == 3
+    assert separator_ids(tok, " ") == tok.encode(" ", add_special_tokens=False)  # never empty

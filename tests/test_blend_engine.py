@@ -47,8 +47,9 @@ def sep(peaked_mistral) -> list[int]:
     """The separator as the model's tokenizer encodes it alone (what blend looks for)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(peaked_mistral).encode(
-        SEPARATOR, add_special_tokens=False)
+    from kvconnector.blend.segments import separator_ids
+
+    return separator_ids(AutoTokenizer.from_pretrained(peaked_mistral), SEPARATOR)
 
 
 class Prompts:

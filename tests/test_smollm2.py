@@ -51,12 +51,9 @@ def test_a_real_model_gives_vllms_answers_from_the_store(smollm2, tmp_path):
     docs = _documents()
     stored = _chat_ids(smollm2, SEPARATOR.join(docs))
     moved = _chat_ids(smollm2, SEPARATOR.join([docs[2], docs[1], docs[0]]))
-    # Byte-level BPE joins a trailing space to the next word: the separator's ids as they
-    # stand in the prompt are those of " # #", not of " # # " encoded alone.
-    sep = AutoTokenizer.from_pretrained(smollm2).encode(SEPARATOR.rstrip(),
-                                                        add_special_tokens=False)
     mem = {"memory_capacity": "256MiB"}
-    blend = {**mem, "blend": True, "blend_separator_ids": sep, "blend_recompute_ratio": 1.0,
+    # The separator as text: its trailing space joins the next word in these prompts.
+    blend = {**mem, "blend": True, "blend_separator": SEPARATOR, "blend_recompute_ratio": 1.0,
              "blend_min_tokens": 64}
 
     def engine(connector, dtype, prompts, tokens=16) -> dict:

@@ -68,7 +68,7 @@ class BlendScheduler:
         if self.config.separator_ids is not None:
             self.separator = list(self.config.separator_ids)
         else:
-            self.separator = compat.encode_text(vllm_config, self.config.separator)
+            self.separator = compat.separator_ids(vllm_config, self.config.separator)
             if not self.separator:
                 raise ConfigError(f"blend_separator {self.config.separator!r} encodes to no "
                                   "tokens; give blend_separator_ids")

@@ -13,6 +13,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -58,6 +59,16 @@ def find_segments(tokens: Sequence[int], separator: Sequence[int]) -> list[tuple
 def piece_capacity(chunk_size: int) -> int:
     """Tokens per piece: one slot's token rows minus the header row."""
     return chunk_size - 1
+
+
+def separator_ids(tokenizer: Any, text: str) -> list[int]:
+    """``text`` as it stands inside prompts: encoded alone, without special tokens, less
+    the trailing whitespace tokens, which inside a prompt join the next word (byte-level
+    BPE encodes " # # " alone as "Ġ#", "Ġ#", "Ġ" and in a prompt as "Ġ#", "Ġ#", "ĠWord")."""
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    while len(ids) > 1 and not tokenizer.decode(ids[-1:]).strip():
+        ids.pop()
+    return ids
 
 
 def documents(tokens: Sequence[int], separator: Sequence[int], seed: bytes,

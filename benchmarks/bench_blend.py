@@ -132,7 +132,8 @@ def quality(trials: int, tmp: Path) -> dict:
     res = run_engine(tmp / "quality", {
         **spec, "steps": blend_quality.blend_steps(pairs, vocab),
         "connector": {"memory_capacity": "256MiB", "blend": True, "blend_min_tokens": 200,
-                      "blend_separator_ids": SEP}}, runner="blend_runner.py", timeout=7200)
+                      "blend_max_cost": 1.0, "blend_separator_ids": SEP}},
+        runner="blend_runner.py", timeout=7200)
     base = run_engine(tmp / "quality-base", {
         **spec, "steps": blend_quality.baseline_steps(pairs, vocab), "connector": None},
         runner="blend_runner.py", timeout=7200)

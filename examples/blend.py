@@ -1,72 +1,73 @@
 """CacheBlend example: documents reused wherever they appear in the prompt.
 
-A system prompt, three documents and a question, separated by the separator (" # # "):
+Three documents (Python's own help text, with one fact planted in the second) and a
+question, in a chat prompt whose documents are separated by " # # ":
 
-    request 1: system, doc 1, doc 2, doc 3, question 1   (cold: each document is stored)
-    request 2: system, doc 2, doc 1, doc 3, question 2   (reordered: blended)
-    request 3: system, doc 2, doc 1, doc 3, question 3   (blended again)
+    request 1: doc 1, doc 2, doc 3, question 1   (cold: each document is stored)
+    request 2: doc 3, doc 2, doc 1, question 2   (reordered: blended)
+    request 3: doc 2, doc 3, doc 1, question 2   (reordered again: blended)
 
-Prints each request's generation time, the tokens served from the store and the answer.
-With prefix reuse alone, requests 2 and 3 would reuse only the system prompt.
+Each of requests 2 and 3 is asked twice, blended and with blend off for that request (full
+prefill in the same engine), and prints both answers and times. With prefix reuse alone,
+reordered documents would reuse nothing.
 
-    python examples/blend.py                                    # tiny Mistral, CPU
+    python examples/blend.py                      # SmolLM2-135M-Instruct, built offline
     python examples/blend.py --model mistralai/Mistral-7B-Instruct-v0.2   # on a GPU
 
-The default model is the tiny random-weight Mistral (kvconnector/tiny_model.py): the
-answers are meaningless text, the mechanics are real. Nothing in vLLM is patched: blend is
-one config key. Times here say little: on a 2-layer model the check layer is half the
-model, and a process's first blend pays one-time costs; benchmarks/bench_blend.py measures
-TTFT (docs/benchmarks.md).
+The default model is SmolLM2-135M-Instruct (kvconnector/smollm2.py): a real trained model,
+so the answers are real. Nothing in vLLM is patched: blend is one config key. A process's
+first blend pays one-time costs; benchmarks/bench_blend_rag.py measures quality and TTFT
+over many prompts (docs/blend.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import random
 import time
 
 SEPARATOR = " # # "
-SYSTEM = "You are a careful assistant. Answer from the documents only."
-QUESTIONS = ["Which document mentions the cache first?",
-             "What do the documents say about the engine?",
-             "Summarise the second document in one sentence."]
+SYSTEM = "Answer the question using only the documents below."
+FACT = "The access code for the boiler room is 4417."
+QUESTIONS = ["What are the documents about?", "What is the access code for the boiler room?"]
+TOPICS = ("exceptions", "with", "for")  # pydoc_data.topics: help text shipped with Python
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="model path or name (default: the tiny Mistral, built "
-                                   "offline in .cache/)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--doc-words", type=int, default=400, help="words per document")
+    p.add_argument("--model", help="model path or name (default: SmolLM2-135M-Instruct, "
+                                   "built offline in .cache/)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--doc-words", type=int, default=500, help="words per document")
     p.add_argument("--strategy", default="attention",
                    choices=["attention", "cacheblend", "epic"])
-    p.add_argument("--ratio", type=float, default=0.15, help="blend_recompute_ratio")
+    p.add_argument("--ratio", type=float, default=None,
+                   help="blend_recompute_ratio (default: the connector's)")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--memory-capacity", default="2GiB", help="kvconnector host memory")
     p.add_argument("--redis-url", default=None, help="also store documents in Redis")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="vLLM's own KV budget (default: 256 MiB for the tiny model)")
+                   help="vLLM's own KV budget (default: 256 MiB for the default model)")
     return p.parse_args()
 
 
 def documents(n_words: int) -> list[str]:
-    from kvconnector.tiny_model import _WORDS
+    import pydoc_data.topics
 
-    rng = random.Random(0)
-    return [" ".join(rng.choice(_WORDS) for _ in range(n_words)) for _ in range(3)]
+    docs = [" ".join(pydoc_data.topics.topics[t].split()[:n_words]) for t in TOPICS]
+    words = docs[1].split()
+    docs[1] = " ".join(words[:len(words) // 2] + [FACT] + words[len(words) // 2:])
+    return docs
 
 
-def prompt_ids(tokenizer, docs: list[str], order: list[int], question: str) -> list[int]:
-    """``system sep doc sep doc sep doc sep question`` as token ids. Each part is tokenized
-    on its own, so the separator's ids appear exactly as blend looks for them (text joined
-    first could tokenize differently at the seams)."""
-    sep = tokenizer.encode(SEPARATOR, add_special_tokens=False)
-    ids = tokenizer.encode(SYSTEM)  # with the BOS token, as a prompt starts
-    for i in order:
-        ids += sep + tokenizer.encode(docs[i], add_special_tokens=False)
-    return ids + sep + tokenizer.encode(question, add_special_tokens=False)
+def chat_ids(tokenizer, docs: list[str], question: str) -> list[int]:
+    # A separator before and after every document: each is a segment of its own.
+    context = SEPARATOR + SEPARATOR.join(docs) + SEPARATOR
+    messages = [{"role": "system", "content": SYSTEM + context},
+                {"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
 
 
 def main() -> None:
@@ -75,9 +76,9 @@ def main() -> None:
     model = args.model
     if model is None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from kvconnector.tiny_model import build_tiny_mistral
+        from kvconnector.smollm2 import build_smollm2
 
-        model = str(build_tiny_mistral(os.path.join(".cache", "tiny-mistral")))
+        model = str(build_smollm2(os.path.join(".cache", "smollm2")))
         if args.kv_cache_memory_bytes is None:
             args.kv_cache_memory_bytes = 256 << 20
     from transformers import AutoTokenizer
@@ -85,11 +86,13 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     docs = documents(args.doc_words)
-    requests = [prompt_ids(tokenizer, docs, order, q)
-                for order, q in zip([[0, 1, 2], [1, 0, 2], [1, 0, 2]], QUESTIONS, strict=True)]
-    extra = {"memory_capacity": args.memory_capacity, "blend": True,
-             "blend_separator": SEPARATOR, "blend_strategy": args.strategy,
-             "blend_recompute_ratio": args.ratio}
+    requests = [chat_ids(tokenizer, [docs[i] for i in order], q)
+                for order, q in zip([[0, 1, 2], [2, 1, 0], [1, 2, 0]],
+                                    [QUESTIONS[0], QUESTIONS[1], QUESTIONS[1]], strict=True)]
+    extra: dict = {"memory_capacity": args.memory_capacity, "blend": True,
+                   "blend_separator": SEPARATOR, "blend_strategy": args.strategy}
+    if args.ratio is not None:
+        extra["blend_recompute_ratio"] = args.ratio
     if args.redis_url:
         extra["redis_url"] = args.redis_url
     llm = LLM(model=model, dtype=args.dtype, enable_prefix_caching=False,
@@ -100,17 +103,23 @@ def main() -> None:
                                   "kv_connector_extra_config": extra})
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     llm.generate([{"prompt_token_ids": tokenizer.encode("warm up")}], sp, use_tqdm=False)
-    print(f"\nmodel {args.model or 'tiny Mistral (random weights)'}, strategy {args.strategy}"
-          + (f" {args.ratio}" if args.strategy != "epic" else ""))
-    for i, ids in enumerate(requests, 1):
+    print(f"\nmodel {model}, strategy {args.strategy}")
+
+    def ask(ids: list[int], blend: bool) -> tuple[str, float, int]:
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens,
+                                extra_args={"kv_transfer_params": {"blend": blend}})
         start = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
-        seconds = time.perf_counter() - start
-        print(f"\nrequest {i}: {len(ids)} prompt tokens, generated in {seconds:.3f} s, "
-              f"{out.num_cached_tokens or 0} tokens served from the store")
-        print(f"  question: {QUESTIONS[i - 1]}")
-        print(f"  answer:   {out.outputs[0].text.strip()[:120]!r}")
-    del llm
+        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        return (out.outputs[0].text.strip(), time.perf_counter() - start,
+                out.num_cached_tokens or 0)
+
+    for i, ids in enumerate(requests, 1):
+        q = QUESTIONS[0] if i == 1 else QUESTIONS[1]
+        print(f"\nrequest {i}: {len(ids)} prompt tokens; question: {q}")
+        runs = [("stored", True)] if i == 1 else [("blended", True), ("full prefill", False)]
+        for name, blend in runs:
+            text, seconds, cached = ask(ids, blend)
+            print(f"  {name:>12}: {seconds:.2f} s, {cached} tokens from the store: {text!r}")
 
 
 if __name__ == "__main__":

@@ -76,6 +76,8 @@ COUNTERS = (
     Family("blend_saved_docs", "Documents stored for later blends."),
     Family("blend_unsegmented", "Requests with blend on whose prompt holds no separator "
            "(served by prefix reuse)."),
+    Family("blend_declined", "Requests served as usual because blending them would cost "
+           "about what full prefill does (blend_max_cost)."),
 )
 HISTOGRAMS = (
     Family("load_batch_seconds", "Time to check a batch of chunks in the memory tier (one step's "

@@ -124,7 +124,7 @@ def blend_workload(seed: int, redis_url: str | None, n_prompts: int = 8,
     for _ in range(n_engines):
         extra: dict = {"memory_capacity": CHUNK_BYTES * rng.randint(1, 8), "blend": True,
                        "blend_separator_ids": BLEND_SEPARATOR, "blend_recompute_ratio": 1.0,
-                       "blend_min_tokens": rng.choice([1, 128])}
+                       "blend_max_cost": 1.0, "blend_min_tokens": rng.choice([1, 128])}
         if redis_url is not None and rng.random() < 0.67:
             extra.update(redis_url=redis_url, redis_key_prefix=f"blend{seed}")
         w.engines.append({"connector": extra, "prefix_caching": rng.random() < 0.5,

@@ -5,11 +5,13 @@ and the attention the selective recompute uses."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from kvconnector.blend.config import BlendConfig
+from kvconnector.blend.cost import compute_share
 from kvconnector.blend.segments import (
     PieceHeader,
     PieceHeaderError,
@@ -51,6 +53,8 @@ def test_blend_keys_are_parsed():
     ({"blend_strategy": "fast"}, "blend_strategy"),
     ({"blend_epic_tokens": 1.5}, "blend_epic_tokens"),
     ({"blend_min_tokens": -1}, "blend_min_tokens"),
+    ({"blend_sink_tokens": -4}, "blend_sink_tokens"),
+    ({"blend_max_cost": 1.2}, "blend_max_cost"), ({"blend_max_cost": "1"}, "blend_max_cost"),
     ({"blend_ratio": 0.2}, "blend_ratio"),
 ])
 def test_bad_blend_values_name_the_key(extra, named):
@@ -84,9 +88,30 @@ def test_blend_salts_differ_by_every_setting_that_changes_the_kv():
     base = BlendConfig(enabled=True)
     others = [BlendConfig(enabled=True, recompute_ratio=0.5),
               BlendConfig(enabled=True, strategy="cacheblend"),
-              BlendConfig(enabled=True, check_layer=2), BlendConfig(enabled=True, epic_tokens=8)]
-    assert len({c.salt() for c in [base, *others]}) == 5
+              BlendConfig(enabled=True, check_layer=2), BlendConfig(enabled=True, epic_tokens=8),
+              BlendConfig(enabled=True, sink_tokens=16)]
+    assert len({c.salt() for c in [base, *others]}) == 6
     assert BlendConfig(enabled=True, min_tokens=1).salt() == base.salt()
+    assert BlendConfig(enabled=True, max_cost=1.0).salt() == base.salt()
+
+
+def test_blend_cost_against_full_prefill():
+    """Issue 20: blend must never make a request slower than full prefill. On 2 layers the
+    check layer is the whole model: blending costs what full prefill does and more."""
+    cfg = BlendConfig(enabled=True)  # attention 0.15, check layer 1
+    assert compute_share(cfg, 2, 2048, 2048, 4) == 1.0
+    assert compute_share(cfg, 30, 2048, 2048, 4) == pytest.approx((2 + 0.15 * 28) / 30)
+    # Tokens no document covers go through every layer.
+    assert compute_share(cfg, 30, 2048, 1024, 2) == pytest.approx(
+        (1024 + 1024 * (2 + 0.15 * 28) / 30) / 2048)
+    assert compute_share(replace(cfg, recompute_ratio=0.0), 30, 2048, 1024, 2) == 0.5
+    assert compute_share(replace(cfg, recompute_ratio=1.0), 30, 2048, 2048, 4) == 1.0
+    assert compute_share(replace(cfg, strategy="epic", epic_tokens=64), 8, 2048, 2048, 4) == (
+        pytest.approx(256 / 2048))
+    sinks = compute_share(replace(cfg, sink_tokens=16), 30, 2048, 2048, 4)
+    assert sinks == pytest.approx((2 + (0.15 + 64 / 2048) * 28) / 30)
+    assert BlendConfig().max_cost == 0.85
+    assert BlendConfig().for_request({"blend_max_cost": 1.0}).max_cost == 0.85  # deployment's
 
 
 # ---- segments and keys ----

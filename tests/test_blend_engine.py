@@ -100,7 +100,9 @@ def redis_server():
 
 
 def _blend_config(redis_url: str | None = None) -> dict:
-    cfg = {"memory_capacity": "64MiB", "blend": True, "blend_min_tokens": 200}
+    # Models of 1-3 layers, where blending costs what full prefill does: blend anyway.
+    cfg = {"memory_capacity": "64MiB", "blend": True, "blend_min_tokens": 200,
+           "blend_max_cost": 1.0}
     if redis_url:
         cfg.update(redis_url=redis_url, redis_key_prefix="blend")
     return cfg
@@ -446,6 +448,23 @@ def test_documents_computed_in_a_failed_blend_are_never_stored(peaked_mistral, p
     assert served["cached"] == _blended(p.p5)
     assert second["blend_requests"] == 1 and second.get("blend_doc_errors", 0) == 0
     assert served["tokens"] == baseline["p5"]["tokens"]
+
+
+def test_a_blend_that_would_cost_full_prefill_is_served_as_usual(peaked_mistral, prompts,
+                                                                 baseline, tmp_path_factory):
+    """Issue 20: on a 2-layer model the check layer is the whole model, so blending would
+    be slower than full prefill (1.15x measured): with the default ``blend_max_cost`` the
+    reordered prompt is served as usual."""
+    p = prompts
+    cfg = {k: v for k, v in _blend_config().items() if k != "blend_max_cost"}
+    res = run_engine(tmp_path_factory.mktemp("blend-declined"), {
+        "model": peaked_mistral, "max_model_len": MAX_LEN, "connector": cfg, "log_stats": True,
+        "steps": [{"op": "generate", "prompts": [p.p1]},
+                  {"op": "generate", "prompts": [p.p2]},
+                  {"op": "metrics"}]}, runner="blend_runner.py", timeout=600)
+    served, metrics = res[1][0], res[2]
+    assert metrics.get("blend_requests", 0) == 0 and metrics["blend_declined"] == 1
+    assert served["tokens"] == baseline["p2"]["tokens"][:len(served["tokens"])]
 
 
 def test_blend_is_visible_on_metrics(blend_run):

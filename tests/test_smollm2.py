@@ -54,7 +54,7 @@ def test_a_real_model_gives_vllms_answers_from_the_store(smollm2, tmp_path):
     mem = {"memory_capacity": "256MiB"}
     # The separator as text: its trailing space joins the next word in these prompts.
     blend = {**mem, "blend": True, "blend_separator": SEPARATOR, "blend_recompute_ratio": 1.0,
-             "blend_min_tokens": 64}
+             "blend_max_cost": 1.0, "blend_min_tokens": 64}
 
     def engine(connector, dtype, prompts, tokens=16) -> dict:
         return {"connector": connector, "dtype": dtype, "kv_cache_bytes": 256 << 20,

@@ -15,9 +15,11 @@ STRATEGIES = ("cacheblend", "attention", "epic")
 #: Every config key this module owns, and the subset a request may override.
 BLEND_KEYS = frozenset({"blend", "blend_separator", "blend_separator_ids",
                         "blend_recompute_ratio", "blend_check_layer", "blend_strategy",
-                        "blend_epic_tokens", "blend_min_tokens"})
+                        "blend_epic_tokens", "blend_sink_tokens", "blend_min_tokens",
+                        "blend_max_cost"})
 REQUEST_KEYS = frozenset({"blend", "blend_recompute_ratio", "blend_check_layer",
-                          "blend_strategy", "blend_epic_tokens", "blend_min_tokens"})
+                          "blend_strategy", "blend_epic_tokens", "blend_sink_tokens",
+                          "blend_min_tokens"})
 
 
 class BlendConfigError(ValueError):
@@ -66,6 +68,14 @@ def _parse(extra: dict[str, Any]) -> dict[str, Any]:
         values["strategy"] = v
     if "blend_epic_tokens" in extra:
         values["epic_tokens"] = _int("blend_epic_tokens", extra["blend_epic_tokens"], 0)
+    if "blend_sink_tokens" in extra:
+        values["sink_tokens"] = _int("blend_sink_tokens", extra["blend_sink_tokens"], 0)
+    if "blend_max_cost" in extra:
+        v = extra["blend_max_cost"]
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v)
+                or not 0 <= v <= 1):
+            raise BlendConfigError(f"blend_max_cost: expected a number from 0 to 1, got {v!r}")
+        values["max_cost"] = float(v)
     if "blend_min_tokens" in extra:
         values["min_tokens"] = _int("blend_min_tokens", extra["blend_min_tokens"], 0)
     return values
@@ -98,6 +108,15 @@ class BlendConfig:
     min_tokens: int = 256
     """``blend_min_tokens``: below this many reusable document tokens a request is served
     by prefix reuse alone."""
+    sink_tokens: int = 0
+    """``blend_sink_tokens``: the first tokens of every moved document, recomputed on top of
+    the ``recompute_ratio`` share (attention, cacheblend): computed at the start of a
+    prompt, a document's first tokens act as an attention sink that misleads once moved."""
+    max_cost: float = 0.85
+    """``blend_max_cost``: a request whose blend would cost more than this share of full
+    prefill's compute (estimated from the layers, the strategy and the stored share of the
+    prompt, blend/cost.py) is served as usual: blending it would be no faster. 1 blends
+    whatever it costs (ratio 1.0 for exactness checks). Not a per-request key."""
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> BlendConfig:
@@ -130,4 +149,4 @@ class BlendConfig:
         """Tells KV blended with these settings apart from exact KV and from KV blended
         with others (compat.mark_approximate)."""
         return (f"kvconnector-blend:{self.strategy}:{self.recompute_ratio!r}:"
-                f"{self.check_layer}:{self.epic_tokens}").encode()
+                f"{self.check_layer}:{self.epic_tokens}:{self.sink_tokens}").encode()

@@ -44,6 +44,7 @@ class BlendJob:
     epic_tokens: int
     tail_ids: list[int]  # the prompt's tokens after ``end`` (at least its last one)
     load_async: bool = False  # parked in WAITING_FOR_REMOTE_KVS: report in finished_recving
+    sink_tokens: int = 0  # each loaded document's first tokens, recomputed on top of the ratio
 
     @property
     def slots(self) -> list[int]:

@@ -13,6 +13,8 @@ exact context):
   prompt's last ``QUERY_WINDOW`` tokens attend to most (their attention summed over
   queries and heads): the KV the question and the answer will read. The prompt's tail
   after the range is computed up to the check layer for these queries only, never written;
+- with ``sink_tokens``, the first tokens of every loaded document join the attention or
+  cacheblend pick on top of the ratio;
 - "epic": the first ``epic_tokens`` tokens of every loaded document join it, from layer 0.
 
 From then on only the recomputed tokens are carried through the layers; their queries
@@ -249,8 +251,9 @@ def run_blend(model: BlendModel, pages: TokenPages, job: BlendJob, sources: Sour
             else:
                 tail.attend(layer, ctx, kv, g.scale, g.sliding_window)
         if li == select_at:
-            score[must] = math.inf
-            n_pick = n - n_loaded + math.ceil(job.recompute_ratio * n_loaded)
+            forced = must | sources.doc_heads(job.sink_tokens) if job.sink_tokens else must
+            score[forced] = math.inf
+            n_pick = min(n, int(forced.sum()) + math.ceil(job.recompute_ratio * n_loaded))
             pick = torch.topk(score, n_pick).indices.sort().values
             q, residual, active, tail = q[pick], residual[pick], active[pick], None
             if not active.numel():

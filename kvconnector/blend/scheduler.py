@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from kvconnector import compat
 from kvconnector.blend.config import BlendConfig
+from kvconnector.blend.cost import compute_share
 from kvconnector.blend.families import BlendUnsupported
 from kvconnector.blend.plan import BlendJob, DocLoad, DocSave, PieceLoad
 from kvconnector.blend.segments import Document, documents, piece_capacity
@@ -49,6 +50,7 @@ class BlendRequest:
     docs: list[Document]
     handled: set[int] = field(default_factory=set)  # documents saved or found stored
     blended: bool = False
+    declined: bool = False  # blending would cost about what full prefill does
     salted: bool = False  # vLLM's block hashes from the blended range on: approximate KV
     # The hit offered to vLLM: (start, end, document index -> "memory" | "redis", async).
     offer: tuple[int, int, dict[int, str], bool] | None = None
@@ -72,6 +74,7 @@ class BlendScheduler:
             if not self.separator:
                 raise ConfigError(f"blend_separator {self.config.separator!r} encodes to no "
                                   "tokens; give blend_separator_ids")
+        self.num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
         self._requests: dict[str, BlendRequest] = {}
         self._jobs: list[BlendJob] = []
         self._held: dict[str, list[int]] = {}  # parked blends: slots their pieces are read from
@@ -95,7 +98,7 @@ class BlendScheduler:
         None when the request is not blended (prefix reuse serves it as usual)."""
         br = self._state(st)
         req = br.request
-        if not br.docs or br.blended or req.num_output_tokens:
+        if not br.docs or br.blended or br.declined or req.num_output_tokens:
             return None
         bs = self.half.block_size
         end = (req.num_prompt_tokens - 1) // bs * bs
@@ -113,6 +116,15 @@ class BlendScheduler:
         reusable = sum(min(br.docs[i].end, end) - max(br.docs[i].start, num_computed)
                        for i in found)
         if reusable < br.config.min_tokens:
+            return None
+        share = compute_share(br.config, self.num_layers, req.num_prompt_tokens - num_computed,
+                              reusable, len(found))
+        if share > br.config.max_cost:
+            br.declined = True
+            self.half.stats.add(blend_declined=1)
+            logger.debug("kvconnector blend: request %s served as usual: blending would cost "
+                         "%.2f of full prefill (blend_max_cost %.2f)", req.request_id, share,
+                         br.config.max_cost)
             return None
         load_async = "redis" in found.values()
         br.offer = (num_computed, end, found, load_async)
@@ -180,7 +192,8 @@ class BlendScheduler:
             request.request_id, start, end, list(request.prompt_token_ids[start:end]),
             list(blocks.get_block_ids()[0][:end // bs]), docs, br.config.strategy,
             br.config.recompute_ratio, br.config.check_layer, br.config.epic_tokens,
-            list(request.prompt_token_ids[end:request.num_prompt_tokens]), load_async)
+            list(request.prompt_token_ids[end:request.num_prompt_tokens]), load_async,
+            br.config.sink_tokens)
         self._jobs.append(job)
         if load_async:  # read on the worker's main thread once fetched: held until then
             slots = [p.slot for d in docs for p in d.pieces]

@@ -92,7 +92,7 @@ BLOCKS = [5, 2, 7, 0, 3, 6]  # scheduler block of each 16 tokens; blocks 1, 4, 8
 DOC = (20, 90)  # the loaded document: [20, 90)
 
 
-def _blend(strategy: str, ratio: float, start: int):
+def _blend(strategy: str, ratio: float, start: int, sink_tokens: int = 0):
     gen = torch.Generator().manual_seed(1)
     model = ToyModel()
     tokens = torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist()
@@ -112,7 +112,7 @@ def _blend(strategy: str, ratio: float, start: int):
     sources = Sources(end - start, start, [piece], [DOC[0] - start], NoMove(), (KV_HEADS, D),
                       model.device, model.dtype)
     job = BlendJob("r", start, end, tokens[start:end], BLOCKS, [], strategy, ratio, 1, 8,
-                   tail_ids=tokens[end:])
+                   tail_ids=tokens[end:], sink_tokens=sink_tokens)
     result = run_blend(model, pages, job, sources, BLOCK)
     return model, tokens, ref, ref_q, caches, pages, stored, job, result
 
@@ -148,6 +148,17 @@ def test_attention_recomputes_the_tokens_the_prompts_last_queries_attend_to(star
     got = pages.read(2, pages.kernel_ids(BLOCKS))
     assert torch.equal(got[:, rest], stored[2][:, [t - DOC[0] for t in rest]])
     assert all(bool((c[[1, 4, 8]] == 7.0).all()) for c in caches)
+
+
+@pytest.mark.parametrize("strategy", ["attention", "cacheblend"])
+def test_sink_tokens_recompute_each_documents_first_tokens_on_top_of_the_ratio(strategy):
+    _, _, ref, _, _, pages, _, job, result = _blend(strategy, 0.2, 0)
+    _, _, ref, _, _, sunk, _, sink_job, sink_result = _blend(strategy, 0.2, 0, sink_tokens=6)
+    picked = set(_exact(pages, ref, 2, job).nonzero().squeeze(1).tolist())
+    heads = set(range(DOC[0], DOC[0] + 6))
+    exact = set(_exact(sunk, ref, 2, sink_job).nonzero().squeeze(1).tolist())
+    assert heads <= exact and not heads <= picked  # the check above can fail
+    assert sink_result.recomputed == result.recomputed + 6  # on top of the ratio's share
 
 
 def test_cacheblend_and_attention_pick_differently_and_ratio_1_is_full_prefill():

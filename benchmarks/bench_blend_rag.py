@@ -236,23 +236,52 @@ def format_table(table: dict) -> str:
     return "\n".join(lines)
 
 
+def _series(name: str) -> tuple[str, float] | None:
+    """("attention @layer4", 0.15) for "attention 0.15 @layer4"; None for a lone setting."""
+    words = name.split()
+    if len(words) < 2 or words[0] not in ("attention", "cacheblend", "epic"):
+        return None
+    try:
+        ratio = float(words[1])
+    except ValueError:
+        return None
+    return " ".join([words[0], *words[2:]]), ratio
+
+
 def plot(result: dict, path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
-    fig, ax = plt.subplots(figsize=(7.5, 5))
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    series: dict[str, list[tuple[float, float, float]]] = {}
+    lone = 0
     for name, r in result["table"].items():
         if r["ttft_vs_full"] is None:
             continue
-        ax.scatter(r["ttft_vs_full"], 100 * r["accuracy"], s=24)
-        ax.annotate(name, (r["ttft_vs_full"], 100 * r["accuracy"]), fontsize=7,
-                    xytext=(3, 3), textcoords="offset points")
+        x, y = r["ttft_vs_full"], 100 * r["accuracy"]
+        s = _series(name)
+        if s is None:
+            ax.scatter(x, y, marker="*", s=90, color="black", zorder=3)
+            ax.annotate(name, (x, y), fontsize=8, xytext=(-20, -12 if lone % 2 else 6),
+                        textcoords="offset points")
+            lone += 1
+        else:
+            series.setdefault(s[0], []).append((s[1], x, y))
+    for label, pts in series.items():
+        pts.sort()
+        ax.plot([p[1] for p in pts], [p[2] for p in pts], marker="o", ms=4, label=label)
+        for ratio, x, y in pts:
+            ax.annotate(f"{ratio:g}", (x, y), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
     full = result["table"][FULL]["accuracy"] * 100
     ax.axhline(full, color="grey", lw=0.8, ls="--")
-    ax.set_xlabel("TTFT / full prefill (same engine, median)")
+    ax.axhspan(full - 2, full, color="green", alpha=0.08, label="within 2 points of full")
+    ax.set_xlabel("TTFT / full prefill (same engine, median); numbers: recompute ratio")
     ax.set_ylabel("answers with the planted fact (%)")
     ax.set_title(f"Blend on SmolLM2-135M-Instruct, {result['prompts']} RAG prompts of "
-                 f"~{result['tokens']} tokens")
+                 f"~{result['tokens']} tokens (one prompt = {100 / result['prompts']:.1f} "
+                 "points)", fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -286,6 +315,9 @@ def main() -> None:
         raise SystemExit(f"{work} holds a run with other prompts or settings: remove it")
     spec_path.write_text(json.dumps(spec))
     for kind in (ALONE, "blend"):
+        rows_file = work / f"{kind}.jsonl"
+        if rows_file.exists() and len(rows_file.read_text().splitlines()) >= len(prompts):
+            continue  # measured already: only scored again
         cmd = [sys.executable, __file__, "--engine", kind, "--work", str(work),
                "--settings", ",".join(settings), "--dtype", args.dtype,
                "--answer-tokens", str(args.answer_tokens)]

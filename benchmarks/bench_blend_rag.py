@@ -54,6 +54,10 @@ SETTINGS: dict[str, dict] = {
                                   "blend_sink_tokens": 16} for r in (0.05, 0.15, 0.3)},
     **{f"attention {r} @layer4": {"blend_strategy": "attention", "blend_recompute_ratio": r,
                                   "blend_check_layer": 4} for r in (0.15, 0.3)},
+    # Gradual filtering: pick wide at layer 1, narrow at a deeper layer.
+    **{f"{s} 0.5 >{n}@{layer}": {"blend_strategy": s, "blend_recompute_ratio": 0.5,
+                                 "blend_refine_layer": layer, "blend_refine_ratio": n}
+       for s in ("attention", "cacheblend") for n in (0.15, 0.3) for layer in (4, 8)},
 }
 
 PLACES = ["boiler room", "east archive", "north tower", "map room", "old library", "lab 7",
@@ -209,16 +213,20 @@ def score(prompts: list[dict], rows: dict[str, list[dict]], tok) -> dict:
     alone = [r[ALONE] for r in rows[ALONE]]
     names = list(rows["blend"][0])
     table: dict[str, dict] = {}
+    reference: list[bool] = []
     for name in [ALONE] + names:
         outs = alone if name == ALONE else [r[name] for r in rows["blend"]]
         correct = [p["answer"].lower() in tok.decode(o["tokens"], skip_special_tokens=True)
                    .lower() for p, o in zip(prompts, outs, strict=False)]
+        reference = reference or correct  # vLLM alone's, the first scored
         same = [o["tokens"] == a["tokens"] for o, a in zip(outs, alone, strict=False)]
         kls = [_kl(a["logprobs"], o["logprobs"]) for o, a in zip(outs, alone, strict=False)]
         ttft = [o["ttft"] for o in outs if o["ttft"] is not None]
         full = [r[FULL]["ttft"] for r in rows["blend"]]
         ratio = [o["ttft"] / f for o, f in zip(outs, full, strict=False) if o["ttft"] and f]
         table[name] = {"prompts": len(outs), "accuracy": sum(correct) / len(outs),
+                       "lost": sum(r and not c for r, c in zip(reference, correct, strict=False)),
+                       "gained": sum(c and not r for r, c in zip(reference, correct, strict=False)),
                        "identical": sum(same) / len(outs), "kl_mean": statistics.fmean(kls),
                        "ttft_s": statistics.median(ttft) if ttft else None,
                        "ttft_vs_full": statistics.median(ratio) if ratio else None,
@@ -227,11 +235,13 @@ def score(prompts: list[dict], rows: dict[str, list[dict]], tok) -> dict:
 
 
 def format_table(table: dict) -> str:
-    lines = ["| setting | accuracy | identical to vLLM alone | KL first token | TTFT (s) "
-             "| TTFT / full prefill |", "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| setting | accuracy | lost / gained vs vLLM alone | identical to vLLM alone "
+             "| KL first token | TTFT (s) | TTFT / full prefill |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for name, r in table.items():
         ratio = f"{r['ttft_vs_full']:.2f}" if r["ttft_vs_full"] else ""
-        lines.append(f"| {name} | {100 * r['accuracy']:.1f}% | {100 * r['identical']:.0f}% | "
+        lines.append(f"| {name} | {100 * r['accuracy']:.1f}% | {r['lost']} / {r['gained']} | "
+                     f"{100 * r['identical']:.0f}% | "
                      f"{r['kl_mean']:.3f} | {r['ttft_s']:.2f} | {ratio} |")
     return "\n".join(lines)
 

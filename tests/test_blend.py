@@ -55,6 +55,8 @@ def test_blend_keys_are_parsed():
     ({"blend_min_tokens": -1}, "blend_min_tokens"),
     ({"blend_sink_tokens": -4}, "blend_sink_tokens"),
     ({"blend_max_cost": 1.2}, "blend_max_cost"), ({"blend_max_cost": "1"}, "blend_max_cost"),
+    ({"blend_refine_ratio": -1}, "blend_refine_ratio"),
+    ({"blend_refine_layer": 1.5}, "blend_refine_layer"),
     ({"blend_ratio": 0.2}, "blend_ratio"),
 ])
 def test_bad_blend_values_name_the_key(extra, named):
@@ -89,8 +91,9 @@ def test_blend_salts_differ_by_every_setting_that_changes_the_kv():
     others = [BlendConfig(enabled=True, recompute_ratio=0.5),
               BlendConfig(enabled=True, strategy="cacheblend"),
               BlendConfig(enabled=True, check_layer=2), BlendConfig(enabled=True, epic_tokens=8),
-              BlendConfig(enabled=True, sink_tokens=16)]
-    assert len({c.salt() for c in [base, *others]}) == 6
+              BlendConfig(enabled=True, sink_tokens=16),
+              BlendConfig(enabled=True, refine_layer=8), BlendConfig(enabled=True, refine_ratio=.1)]
+    assert len({c.salt() for c in [base, *others]}) == 8
     assert BlendConfig(enabled=True, min_tokens=1).salt() == base.salt()
     assert BlendConfig(enabled=True, max_cost=1.0).salt() == base.salt()
 
@@ -110,6 +113,8 @@ def test_blend_cost_against_full_prefill():
         pytest.approx(256 / 2048))
     sinks = compute_share(replace(cfg, sink_tokens=16), 30, 2048, 2048, 4)
     assert sinks == pytest.approx((2 + (0.15 + 64 / 2048) * 28) / 30)
+    refined = compute_share(replace(cfg, recompute_ratio=0.5, refine_layer=8), 30, 2048, 2048, 4)
+    assert refined == pytest.approx((2 + 0.5 * 7 + 0.15 * 21) / 30)
     assert BlendConfig().max_cost == 0.85
     assert BlendConfig().for_request({"blend_max_cost": 1.0}).max_cost == 0.85  # deployment's
 

@@ -92,7 +92,8 @@ BLOCKS = [5, 2, 7, 0, 3, 6]  # scheduler block of each 16 tokens; blocks 1, 4, 8
 DOC = (20, 90)  # the loaded document: [20, 90)
 
 
-def _blend(strategy: str, ratio: float, start: int, sink_tokens: int = 0):
+def _blend(strategy: str, ratio: float, start: int, sink_tokens: int = 0,
+           refine: tuple[int, float] = (0, 0.15)):
     gen = torch.Generator().manual_seed(1)
     model = ToyModel()
     tokens = torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist()
@@ -112,7 +113,8 @@ def _blend(strategy: str, ratio: float, start: int, sink_tokens: int = 0):
     sources = Sources(end - start, start, [piece], [DOC[0] - start], NoMove(), (KV_HEADS, D),
                       model.device, model.dtype)
     job = BlendJob("r", start, end, tokens[start:end], BLOCKS, [], strategy, ratio, 1, 8,
-                   tail_ids=tokens[end:], sink_tokens=sink_tokens)
+                   tail_ids=tokens[end:], sink_tokens=sink_tokens,
+                   refine_layer=refine[0], refine_ratio=refine[1])
     result = run_blend(model, pages, job, sources, BLOCK)
     return model, tokens, ref, ref_q, caches, pages, stored, job, result
 
@@ -159,6 +161,20 @@ def test_sink_tokens_recompute_each_documents_first_tokens_on_top_of_the_ratio(s
     exact = set(_exact(sunk, ref, 2, sink_job).nonzero().squeeze(1).tolist())
     assert heads <= exact and not heads <= picked  # the check above can fail
     assert sink_result.recomputed == result.recomputed + 6  # on top of the ratio's share
+
+
+@pytest.mark.parametrize("strategy", ["attention", "cacheblend"])
+def test_a_refine_layer_narrows_the_pick_after_it(strategy):
+    """Gradual filtering: the wide pick at the check layer gets full prefill's K/V up to
+    and at the refine layer (2); after it only the narrower share is carried on."""
+    _, _, ref, _, _, wide, _, job, wide_result = _blend(strategy, 0.5, 0)
+    _, _, ref, _, _, narrowed, _, job2, result = _blend(strategy, 0.5, 0, refine=(2, 0.2))
+    picked = _exact(wide, ref, 2, job)
+    assert torch.equal(_exact(narrowed, ref, 2, job2), picked)
+    loaded = DOC[1] - DOC[0]
+    must = job.end - job.start - loaded
+    assert wide_result.recomputed == must + math.ceil(0.5 * loaded)
+    assert result.recomputed == must + math.ceil(0.2 * loaded)
 
 
 def test_cacheblend_and_attention_pick_differently_and_ratio_1_is_full_prefill():

@@ -16,10 +16,10 @@ STRATEGIES = ("cacheblend", "attention", "epic")
 BLEND_KEYS = frozenset({"blend", "blend_separator", "blend_separator_ids",
                         "blend_recompute_ratio", "blend_check_layer", "blend_strategy",
                         "blend_epic_tokens", "blend_sink_tokens", "blend_min_tokens",
-                        "blend_max_cost"})
+                        "blend_max_cost", "blend_refine_layer", "blend_refine_ratio"})
 REQUEST_KEYS = frozenset({"blend", "blend_recompute_ratio", "blend_check_layer",
                           "blend_strategy", "blend_epic_tokens", "blend_sink_tokens",
-                          "blend_min_tokens"})
+                          "blend_min_tokens", "blend_refine_layer", "blend_refine_ratio"})
 
 
 class BlendConfigError(ValueError):
@@ -30,6 +30,12 @@ def _int(key: str, v: Any, lo: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise BlendConfigError(f"{key}: expected an int >= {lo}, got {v!r}")
     return v
+
+
+def _ratio(key: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or not 0 <= v <= 1:
+        raise BlendConfigError(f"{key}: expected a number from 0 to 1, got {v!r}")
+    return float(v)
 
 
 def _parse(extra: dict[str, Any]) -> dict[str, Any]:
@@ -52,12 +58,7 @@ def _parse(extra: dict[str, Any]) -> dict[str, Any]:
                 f"blend_separator_ids: expected a non-empty list of token ids, got {v!r}")
         values["separator_ids"] = tuple(v)
     if "blend_recompute_ratio" in extra:
-        v = extra["blend_recompute_ratio"]
-        if (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v)
-                or not 0 <= v <= 1):
-            raise BlendConfigError(
-                f"blend_recompute_ratio: expected a number from 0 to 1, got {v!r}")
-        values["recompute_ratio"] = float(v)
+        values["recompute_ratio"] = _ratio("blend_recompute_ratio", extra["blend_recompute_ratio"])
     if "blend_check_layer" in extra:
         values["check_layer"] = _int("blend_check_layer", extra["blend_check_layer"], 0)
     if "blend_strategy" in extra:
@@ -70,12 +71,12 @@ def _parse(extra: dict[str, Any]) -> dict[str, Any]:
         values["epic_tokens"] = _int("blend_epic_tokens", extra["blend_epic_tokens"], 0)
     if "blend_sink_tokens" in extra:
         values["sink_tokens"] = _int("blend_sink_tokens", extra["blend_sink_tokens"], 0)
+    if "blend_refine_layer" in extra:
+        values["refine_layer"] = _int("blend_refine_layer", extra["blend_refine_layer"], 0)
+    if "blend_refine_ratio" in extra:
+        values["refine_ratio"] = _ratio("blend_refine_ratio", extra["blend_refine_ratio"])
     if "blend_max_cost" in extra:
-        v = extra["blend_max_cost"]
-        if (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v)
-                or not 0 <= v <= 1):
-            raise BlendConfigError(f"blend_max_cost: expected a number from 0 to 1, got {v!r}")
-        values["max_cost"] = float(v)
+        values["max_cost"] = _ratio("blend_max_cost", extra["blend_max_cost"])
     if "blend_min_tokens" in extra:
         values["min_tokens"] = _int("blend_min_tokens", extra["blend_min_tokens"], 0)
     return values
@@ -112,6 +113,13 @@ class BlendConfig:
     """``blend_sink_tokens``: the first tokens of every moved document, recomputed on top of
     the ``recompute_ratio`` share (attention, cacheblend): computed at the start of a
     prompt, a document's first tokens act as an attention sink that misleads once moved."""
+    refine_layer: int = 0
+    """``blend_refine_layer``: if after the check layer, the picked tokens are scored
+    again at this layer (same strategy) and narrowed to ``refine_ratio`` (attention,
+    cacheblend; gradual filtering). 0: one pick only."""
+    refine_ratio: float = 0.15
+    """``blend_refine_ratio``: share of the loaded tokens recomputed after the refine
+    layer (below ``recompute_ratio``)."""
     max_cost: float = 0.85
     """``blend_max_cost``: a request whose blend would cost more than this share of full
     prefill's compute (estimated from the layers, the strategy and the stored share of the
@@ -149,4 +157,5 @@ class BlendConfig:
         """Tells KV blended with these settings apart from exact KV and from KV blended
         with others (compat.mark_approximate)."""
         return (f"kvconnector-blend:{self.strategy}:{self.recompute_ratio!r}:"
-                f"{self.check_layer}:{self.epic_tokens}:{self.sink_tokens}").encode()
+                f"{self.check_layer}:{self.epic_tokens}:{self.sink_tokens}:{self.refine_layer}:"
+                f"{self.refine_ratio!r}").encode()

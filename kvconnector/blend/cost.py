@@ -27,7 +27,13 @@ def compute_share(config: BlendConfig, num_layers: int, prompt_tokens: int,
         per_loaded = 0.0
     else:
         dense = min(config.check_layer, num_layers - 1) + 1  # every token up to the check
-        picked = min(1.0, config.recompute_ratio
-                     + (config.sink_tokens * loaded_docs / loaded if loaded else 0.0))
-        per_loaded = (dense + picked * (num_layers - dense)) / num_layers
+        sinks = config.sink_tokens * loaded_docs / loaded if loaded else 0.0
+        picked = min(1.0, config.recompute_ratio + sinks)
+        refine = min(config.refine_layer, num_layers - 1) + 1
+        if refine > dense and config.refine_ratio < config.recompute_ratio:
+            narrow = min(1.0, config.refine_ratio + sinks)
+            layers = dense + picked * (refine - dense) + narrow * (num_layers - refine)
+        else:
+            layers = dense + picked * (num_layers - dense)
+        per_loaded = layers / num_layers
     return (prompt_tokens - loaded + loaded * per_loaded) / prompt_tokens

@@ -45,6 +45,8 @@ class BlendJob:
     tail_ids: list[int]  # the prompt's tokens after ``end`` (at least its last one)
     load_async: bool = False  # parked in WAITING_FOR_REMOTE_KVS: report in finished_recving
     sink_tokens: int = 0  # each loaded document's first tokens, recomputed on top of the ratio
+    refine_layer: int = 0  # a second, narrower pick there (gradual filtering); 0: none
+    refine_ratio: float = 0.15
 
     @property
     def slots(self) -> list[int]:

@@ -15,6 +15,10 @@ exact context):
   after the range is computed up to the check layer for these queries only, never written;
 - with ``sink_tokens``, the first tokens of every loaded document join the attention or
   cacheblend pick on top of the ratio;
+- with a ``refine_layer`` after the check layer (gradual filtering, as in the CacheBlend
+  paper), the picked tokens are scored again there by the same strategy and narrowed to
+  the ``refine_ratio`` share: the first pick is made wide, at a shallow layer, the second
+  at a layer whose attention says more;
 - "epic": the first ``epic_tokens`` tokens of every loaded document join it, from layer 0.
 
 From then on only the recomputed tokens are carried through the layers; their queries
@@ -218,7 +222,7 @@ def run_blend(model: BlendModel, pages: TokenPages, job: BlendJob, sources: Sour
     table = pages.kernel_ids(job.block_ids[:job.end // block_size]).to(torch.int32)
     must = ~sources.has_kv
     n_loaded = n - int(must.sum())
-    select_at: int | None = None
+    checks: dict[int, float] = {}  # layer -> share of the loaded tokens kept from there on
     if job.strategy == "epic":
         active = (must | sources.doc_heads(job.epic_tokens)).nonzero().squeeze(1)
     elif job.recompute_ratio == 0:  # full reuse: only what nothing covers
@@ -226,8 +230,14 @@ def run_blend(model: BlendModel, pages: TokenPages, job: BlendJob, sources: Sour
     else:
         active = torch.arange(n, device=dev)
         if job.recompute_ratio < 1 and n_loaded:
-            select_at = min(job.check_layer, g.num_layers - 1)
-    tail = _Tail(model, job) if select_at is not None and job.strategy == "attention" else None
+            first = min(job.check_layer, g.num_layers - 1)
+            checks[first] = job.recompute_ratio
+            refine = min(job.refine_layer, g.num_layers - 1)
+            if refine > first and job.refine_ratio < job.recompute_ratio:
+                checks[refine] = job.refine_ratio  # gradual filtering: narrow the pick
+    last_check = max(checks, default=None)
+    forced = must | sources.doc_heads(job.sink_tokens) if job.sink_tokens else must
+    tail = _Tail(model, job) if checks and job.strategy == "attention" else None
     h = model.embed(tokens[active]) if active.numel() else None
     residual: torch.Tensor | None = None
     last = g.num_layers - 1
@@ -238,24 +248,27 @@ def run_blend(model: BlendModel, pages: TokenPages, job: BlendJob, sources: Sour
             continue
         x, residual = layer.norm_in(h, residual)
         q, k, v = layer.qkv(x, positions[active])
-        if li == select_at and job.strategy == "cacheblend":  # deviation from the loaded K/V
-            score = ((k.float() - kv[0].float()) ** 2).sum((1, 2)) + (
-                (v.float() - kv[1].float()) ** 2).sum((1, 2))
+        if li in checks and job.strategy == "cacheblend":  # deviation from the loaded K/V
+            score = ((k.float() - kv[0, active].float()) ** 2).sum((1, 2)) + (
+                (v.float() - kv[1, active].float()) ** 2).sum((1, 2))
         kv[0, active], kv[1, active] = k, v
         pages.write(li, range_ids, kv)
         ctx = pages.read(li, ctx_ids) if tail is not None and job.start else None
         if tail is not None:
             tail.qkv(layer)
-            if li == select_at:
-                score = tail.mass(q, positions, ctx, kv, job.start, g.scale, g.sliding_window)
-            else:
+            if li in checks:
+                score = tail.mass(q, positions[active], ctx, kv, job.start, g.scale,
+                                  g.sliding_window)[active]
+            if li != last_check:
                 tail.attend(layer, ctx, kv, g.scale, g.sliding_window)
-        if li == select_at:
-            forced = must | sources.doc_heads(job.sink_tokens) if job.sink_tokens else must
-            score[forced] = math.inf
-            n_pick = min(n, int(forced.sum()) + math.ceil(job.recompute_ratio * n_loaded))
+        if li in checks:  # keep the forced tokens and the top share of the loaded ones
+            keep = forced[active]
+            score[keep] = math.inf
+            n_pick = min(len(active), int(keep.sum()) + math.ceil(checks[li] * n_loaded))
             pick = torch.topk(score, n_pick).indices.sort().values
-            q, residual, active, tail = q[pick], residual[pick], active[pick], None
+            q, residual, active = q[pick], residual[pick], active[pick]
+            if li == last_check:
+                tail = None
             if not active.numel():
                 h = None
                 continue

@@ -193,7 +193,7 @@ class BlendScheduler:
             list(blocks.get_block_ids()[0][:end // bs]), docs, br.config.strategy,
             br.config.recompute_ratio, br.config.check_layer, br.config.epic_tokens,
             list(request.prompt_token_ids[end:request.num_prompt_tokens]), load_async,
-            br.config.sink_tokens)
+            br.config.sink_tokens, br.config.refine_layer, br.config.refine_ratio)
         self._jobs.append(job)
         if load_async:  # read on the worker's main thread once fetched: held until then
             slots = [p.slot for d in docs for p in d.pieces]

@@ -30,8 +30,9 @@ def test_blend_is_off_by_default_with_the_issues_defaults():
     cfg = ConnectorConfig.from_extra_config({}).blending
     assert cfg == BlendConfig()
     assert (cfg.enabled, cfg.separator, cfg.separator_ids, cfg.recompute_ratio,
-            cfg.check_layer, cfg.strategy, cfg.epic_tokens, cfg.min_tokens) == (
-        False, " # # ", None, 0.15, 1, "attention", 32, 256)
+            cfg.check_layer, cfg.strategy, cfg.epic_tokens, cfg.min_tokens, cfg.sink_tokens,
+            cfg.refine_layer, cfg.refine_ratio, cfg.max_cost) == (
+        False, " # # ", None, 0.5, 1, "attention", 32, 256, 0, 8, 0.3, 0.85)
 
 
 def test_blend_keys_are_parsed():
@@ -88,11 +89,11 @@ def test_a_request_cannot_lower_the_deployments_blend_threshold():
 
 def test_blend_salts_differ_by_every_setting_that_changes_the_kv():
     base = BlendConfig(enabled=True)
-    others = [BlendConfig(enabled=True, recompute_ratio=0.5),
+    others = [BlendConfig(enabled=True, recompute_ratio=0.3),
               BlendConfig(enabled=True, strategy="cacheblend"),
               BlendConfig(enabled=True, check_layer=2), BlendConfig(enabled=True, epic_tokens=8),
               BlendConfig(enabled=True, sink_tokens=16),
-              BlendConfig(enabled=True, refine_layer=8), BlendConfig(enabled=True, refine_ratio=.1)]
+              BlendConfig(enabled=True, refine_layer=4), BlendConfig(enabled=True, refine_ratio=.1)]
     assert len({c.salt() for c in [base, *others]}) == 8
     assert BlendConfig(enabled=True, min_tokens=1).salt() == base.salt()
     assert BlendConfig(enabled=True, max_cost=1.0).salt() == base.salt()
@@ -101,7 +102,7 @@ def test_blend_salts_differ_by_every_setting_that_changes_the_kv():
 def test_blend_cost_against_full_prefill():
     """Issue 20: blend must never make a request slower than full prefill. On 2 layers the
     check layer is the whole model: blending costs what full prefill does and more."""
-    cfg = BlendConfig(enabled=True)  # attention 0.15, check layer 1
+    cfg = BlendConfig(enabled=True, recompute_ratio=0.15, refine_layer=0)  # check layer 1
     assert compute_share(cfg, 2, 2048, 2048, 4) == 1.0
     assert compute_share(cfg, 30, 2048, 2048, 4) == pytest.approx((2 + 0.15 * 28) / 30)
     # Tokens no document covers go through every layer.
@@ -113,8 +114,11 @@ def test_blend_cost_against_full_prefill():
         pytest.approx(256 / 2048))
     sinks = compute_share(replace(cfg, sink_tokens=16), 30, 2048, 2048, 4)
     assert sinks == pytest.approx((2 + (0.15 + 64 / 2048) * 28) / 30)
-    refined = compute_share(replace(cfg, recompute_ratio=0.5, refine_layer=8), 30, 2048, 2048, 4)
+    refined = compute_share(replace(cfg, recompute_ratio=0.5, refine_layer=8, refine_ratio=0.15),
+                            30, 2048, 2048, 4)
     assert refined == pytest.approx((2 + 0.5 * 7 + 0.15 * 21) / 30)
+    default = compute_share(BlendConfig(enabled=True), 30, 2048, 2048, 4)
+    assert default == pytest.approx((2 + 0.5 * 7 + 0.3 * 21) / 30)
     assert BlendConfig().max_cost == 0.85
     assert BlendConfig().for_request({"blend_max_cost": 1.0}).max_cost == 0.85  # deployment's
 

@@ -9,7 +9,8 @@ import logging
 
 import pytest
 
-from kvconnector.store.redis_store import RedisStore, redact_url, url_has_password
+from kvconnector.store.redis_store import RedisStore
+from kvconnector.store.redis_url import redact_url, url_has_password
 
 # (url, secrets that must not appear, what must still appear)
 HOSTILE = [

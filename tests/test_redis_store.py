@@ -24,7 +24,8 @@ from kvconnector.keys import ChunkKey  # noqa: E402
 from kvconnector.store import codec  # noqa: E402
 from kvconnector.store.codec import CorruptValue, ExpectedChunk  # noqa: E402
 from kvconnector.store.memory import SlotPool  # noqa: E402
-from kvconnector.store.redis_store import RedisStore, redact_url  # noqa: E402
+from kvconnector.store.redis_store import RedisStore  # noqa: E402
+from kvconnector.store.redis_url import redact_url  # noqa: E402
 
 FP = bytes.fromhex("00112233445566778899aabbccddeeff")
 OTHER_FP = bytes.fromhex("ffeeddccbbaa99887766554433221100")
@@ -538,7 +539,7 @@ def test_url_password_db_and_unix_socket():
         assert srv.client(db=0).dbsize() == 0
         unix = f"unix://{srv.unix_path}?db=2&password=s3cret-pw"
         with RedisStore.from_url(unix, key_prefix="u") as s:
-            assert s._pool.connection_class is redis.UnixDomainSocketConnection
+            assert s._connections.pool.connection_class is redis.UnixDomainSocketConnection
             assert s.put_many([item(exp, payload)]) == 1
             assert s.exists_prefix([exp.key], 1.0) == 1
         assert srv.client(db=2).exists(f"u:{exp.key}") == 1
@@ -551,8 +552,8 @@ def test_url_password_db_and_unix_socket():
 
 def test_url_schemes():
     s = RedisStore.from_url("rediss://:pw@127.0.0.1:1/0")
-    assert s._pool.connection_class is redis.SSLConnection
-    assert s._pool.connection_kwargs["password"] == "pw"
+    assert s._connections.pool.connection_class is redis.SSLConnection
+    assert s._connections.pool.connection_kwargs["password"] == "pw"
     s.close()
     s = RedisStore.from_url("redis+cluster://127.0.0.1:1")
     assert s.cluster and s.url == "redis://127.0.0.1:1"

@@ -15,7 +15,7 @@ from kvconnector.cli.output import human_bytes
 from kvconnector.config import ConfigError, ConnectorConfig
 from kvconnector.lmcache_config import translate
 from kvconnector.plugin import SHORT_NAME
-from kvconnector.store.redis_store import redact_url
+from kvconnector.store.redis_url import redact_url
 
 _SECRETS = ("redis_password", "chunk_mac_key")
 

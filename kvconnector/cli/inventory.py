@@ -23,7 +23,7 @@ import redis
 
 from kvconnector.keys import HASH_BYTES
 from kvconnector.store import descriptor
-from kvconnector.store.redis_store import redact_url, url_userinfo_problem
+from kvconnector.store.redis_url import redact_url, url_userinfo_problem
 
 SCAN_COUNT = 1000
 _HEX = rf"[0-9a-f]{{{2 * HASH_BYTES}}}"

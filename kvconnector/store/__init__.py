@@ -35,7 +35,8 @@ def open_redis(config: ConnectorConfig, *, for_lookups: bool = False) -> RedisSt
     if not config.redis_url:
         return None
     from kvconnector.store import codec
-    from kvconnector.store.redis_store import RedisStore, url_has_password
+    from kvconnector.store.redis_store import RedisStore
+    from kvconnector.store.redis_url import url_has_password
 
     kw: dict[str, Any] = {}
     if for_lookups:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +19,7 @@ from vllm.v1.request import RequestStatus
 from kvconnector import compat
 from kvconnector.config import ConnectorConfig
 from kvconnector.keys import ChunkKey, Fingerprint, chunk_hashes, partial_chunk_hash
+from kvconnector.lookups import Lookups
 from kvconnector.metadata import WorkerReport
 from kvconnector.scheduler import SchedulerHalf
 from tests.conftest import prompt
@@ -150,10 +150,8 @@ def test_aborted_request_saves_nothing_at_finish(half):
 
 def test_partial_needs_the_chunks_before_it(half):
     a = FakeRequest("a", prompt(1, 100))
-    half.index.allocate(b"x" * 16)  # a full pool cannot store chunk 0 ...
-    half.index = type(half.index)(1)
-    half.index.allocate(b"x" * 16)
-    half.index.use(b"x" * 16)
+    for i in range(half.index.num_slots):  # a full pool cannot store chunk 0 ...
+        half.index.allocate(i.to_bytes(16, "big"))
     plans = run_request(half, a, list(range(10, 18)), outputs=2)
     assert saved(plans) == []  # ... so its partial (unreachable) is not stored either
     assert not half.has_pending_saves()
@@ -196,18 +194,19 @@ def test_partial_chunk_found_in_redis(half):
     h0 = chunk_hashes(tokens, CHUNK, FP.digest())[0]
     stored = {str(ChunkKey(FP.digest(), 0, h0)),
               str(ChunkKey(FP.digest(), 0, partial_chunk_hash(h0, tokens[64:80])))}
-    half.redis, half._lookups = FakeRedis(stored), ThreadPoolExecutor(1)
+    redis = FakeRedis(stored)
+    half.prefix.lookups = Lookups(redis, 1.0)
     req = FakeRequest("r", tokens)
     assert half.get_num_new_matched_tokens(req, 0) == (None, False)  # asked, not answered
-    half.redis.gate.set()
+    redis.gate.set()
     deadline = time.monotonic() + 5
     while (answer := half.get_num_new_matched_tokens(req, 0))[0] is None:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert answer == (80, True)  # chunk 0 and 1 block of chunk 1, loaded asynchronously
-    assert len(half.redis.asked) == 1 and len(half.redis.asked[0]) == 3  # 1 full, 2 partial
+    assert len(redis.asked) == 1 and len(redis.asked[0]) == 3  # 1 full, 2 partial
     half.update_state_after_alloc(req, blocks_of(list(range(7))), 80)
     plan = half.build_meta(step_output({}, {}))
     assert [(t.index, t.block_ids, t.from_redis) for t in plan.async_loads] == [
         (0, [0, 1, 2, 3], True), (1, [4, -1, -1, -1], True)]
-    half._lookups.shutdown()
+    half.prefix.lookups.shutdown()

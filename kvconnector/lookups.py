@@ -1,0 +1,48 @@
+"""Questions to Redis asked on one background thread, so that a scheduler step never waits
+on the network: a step asks, and a later step reads the answer."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from kvconnector.store.redis_store import RedisStore
+
+logger = logging.getLogger("kvconnector.lookups")
+
+T = TypeVar("T")
+
+
+@dataclass
+class Asked(Generic[T]):
+    """The last question a request asked, and its answer to come."""
+
+    question: Hashable
+    answer: Future[T]
+
+
+class Lookups:
+    def __init__(self, redis: RedisStore, budget_s: float) -> None:
+        self.redis = redis
+        self.budget_s = budget_s
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvconnector-lookup")
+
+    def answer(self, asked: Asked[T] | None, question: Hashable,
+               ask: Callable[[RedisStore, float], T], miss: T) -> tuple[Asked[T], T | None]:
+        """``(what is now asked, its answer or None while Redis is asked)``. A new question
+        replaces an old one; a failed lookup answers ``miss`` (the store counts its faults)."""
+        if asked is None or asked.question != question:
+            asked = Asked(question, self._thread.submit(ask, self.redis, self.budget_s))
+        if not asked.answer.done():
+            return asked, None
+        try:
+            return asked, asked.answer.result()
+        except Exception:
+            logger.debug("kvconnector: Redis lookup failed", exc_info=True)
+            return asked, miss
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,162 @@
+"""Prefix reuse on the scheduler side: how much of a prompt the store holds, and the loads
+that bring it into the request's blocks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvconnector.config import ConnectorConfig
+from kvconnector.fetches import Fetches
+from kvconnector.keys import ChunkKey
+from kvconnector.lookups import Lookups
+from kvconnector.metadata import ChunkTransfer
+from kvconnector.metrics import hit_tokens_by_tier
+from kvconnector.request_state import PENDING, PrefixHit, RequestState
+from kvconnector.store.memory import MemoryIndex
+from kvconnector.store.redis_store import RedisStore
+
+MISSING_SLOT = -1  # a load the worker must report as failed
+
+
+@dataclass(frozen=True)
+class Held:
+    """What the store holds of a request: ``full`` leading chunks, then the first
+    ``partial_blocks`` blocks of the next chunk (key ``partial_hash``)."""
+
+    full: int
+    partial_blocks: int = 0
+    partial_hash: bytes | None = None
+    from_memory: int = 0  # leading tokens of it held in memory, readable at once
+
+
+class PrefixReuse:
+    def __init__(self, config: ConnectorConfig, block_size: int, fingerprint: bytes,
+                 tp_size: int, index: MemoryIndex, fetches: Fetches,
+                 lookups: Lookups | None) -> None:
+        self.chunk_size = config.chunk_size
+        self.block_size = block_size
+        self.blocks_per_chunk = config.chunk_size // block_size
+        self.fingerprint = fingerprint
+        self.tp_size = tp_size
+        self.index = index
+        self.fetches = fetches
+        self.lookups = lookups
+
+    def match(self, st: RequestState, num_computed: int) -> PrefixHit | str | None:
+        """The hit beyond vLLM's own ``num_computed`` tokens, PENDING while Redis is asked.
+        Memory hits load synchronously; a hit that needs Redis loads asynchronously while
+        the request waits in vLLM's WAITING_FOR_REMOTE_KVS."""
+        req = st.request
+        # A load must leave at least one token for the forward pass.
+        cap = (req.num_tokens - 1) // self.block_size * self.block_size
+        held = self._held(st, cap)
+        if held is None:
+            return PENDING
+        hit = min(held.full * self.chunk_size + held.partial_blocks * self.block_size, cap)
+        if hit <= num_computed:
+            return None
+        partial = (held.full, held.partial_hash) if held.partial_hash is not None else None
+        return PrefixHit(num_computed, hit - num_computed, hit > held.from_memory, partial)
+
+    def _partial_blocks(self, chunk: int, cap: int) -> int:
+        """Most blocks a partial chunk at index ``chunk`` can give within ``cap`` tokens."""
+        return max(0, min(self.blocks_per_chunk - 1,
+                          (cap - chunk * self.chunk_size) // self.block_size))
+
+    def _partial_hash(self, st: RequestState, chunk: int, blocks: int) -> bytes:
+        return st.partial_hash(chunk, blocks, self.chunk_size, self.block_size)
+
+    def _memory_partial(self, st: RequestState, chunk: int, cap: int) -> tuple[int, bytes | None]:
+        """The longest partial chunk at index ``chunk`` held in memory (blocks, key)."""
+        if st.load_limit is not None and chunk >= st.load_limit:
+            return 0, None
+        for k in range(self._partial_blocks(chunk, cap), 0, -1):
+            h = self._partial_hash(st, chunk, k)
+            if h in self.index:
+                return k, h
+        return 0, None
+
+    def _held(self, st: RequestState, cap: int) -> Held | None:
+        """Full chunks from memory then Redis, then a partial chunk. A partial chunk is asked
+        of Redis only with full chunks that memory lacked: a request whose full chunks are
+        all in memory never waits on the network for a few blocks. None while Redis is asked."""
+        hashes = st.chunk_hashes(st.request.num_tokens, self.chunk_size)[:st.load_limit]
+        n = len(hashes)
+        in_memory = self.index.count_prefix(hashes)
+        ready = next((i for i, h in enumerate(hashes[:in_memory]) if h in self.fetches),
+                     in_memory)
+        full, k, ph = in_memory, 0, None
+        if self.lookups is not None and in_memory < n:
+            answer = self._ask_redis(st, hashes, in_memory, cap)
+            if answer is None:
+                return None
+            # Every chunk fetched from Redis lands in a slot of its own this step: a hit
+            # larger than the free slots would fail its last chunks and recompute them.
+            room = max(0, self.index.num_slots - self.index.pinned - in_memory)
+            full += min(answer[0], room)
+            if full == n and answer[1] and room > answer[0]:
+                k = answer[1]
+                ph = self._partial_hash(st, n, k)
+        mk, mh = self._memory_partial(st, full, cap)
+        if mk >= k and mh is not None:
+            k, ph = mk, mh
+        from_memory = ready * self.chunk_size
+        if full == ready and ph is not None and ph in self.index and ph not in self.fetches:
+            from_memory += k * self.block_size
+        return Held(full, k, ph, from_memory)
+
+    def _ask_redis(self, st: RequestState, hashes: list[bytes], start: int,
+                   cap: int) -> tuple[int, int] | None:
+        """(full chunks after ``start`` that every TP rank holds in Redis, blocks of the
+        longest partial chunk after all of them), or None while asking. One round trip per
+        request and question: one EXISTS pipeline for both kinds of keys."""
+        assert self.lookups is not None
+        n = len(hashes)
+        max_k = 0
+        if st.load_limit is None or n < st.load_limit:
+            max_k = self._partial_blocks(n, cap)
+        wanted = hashes[start:] + [self._partial_hash(st, n, k) for k in range(max_k, 0, -1)]
+        n_full, tp, fingerprint = n - start, self.tp_size, self.fingerprint
+
+        def ask(redis: RedisStore, budget_s: float) -> tuple[int, int]:
+            keys = [ChunkKey(fingerprint, r, h) for h in wanted for r in range(tp)]
+            found = redis.exists_many(keys, budget_s)
+            per_chunk = [all(found[i:i + tp]) for i in range(0, len(found), tp)]
+            chunks = 0
+            while chunks < n_full and per_chunk[chunks]:
+                chunks += 1
+            if chunks < n_full:
+                return chunks, 0
+            return chunks, next((max_k - i for i, ok in enumerate(per_chunk[n_full:]) if ok), 0)
+
+        st.lookup, answer = self.lookups.answer(st.lookup, (start, n, max_k), ask, (0, 0))
+        return answer
+
+    def plan_loads(self, st: RequestState, hit: PrefixHit, block_ids: list[int],
+                   num_tokens: int) -> tuple[list[ChunkTransfer], int, int]:
+        """The loads of the ``num_tokens`` vLLM accepted of ``hit``, and how many of those
+        tokens come from (memory, Redis)."""
+        start, end = hit.start, hit.start + num_tokens
+        c, bs, req_id = self.chunk_size, self.block_size, st.request.request_id
+        loads = []
+        for ci in range(start // c, -(-end // c)):
+            h = hit.partial[1] if hit.partial is not None and ci == hit.partial[0] \
+                else st.hashes[ci]
+            from_redis = h not in self.index
+            if not hit.load_async and (from_redis or h in self.fetches):
+                slot = MISSING_SLOT  # evicted since the lookup: reported and recomputed
+            elif from_redis:  # promoted into memory: the worker fetches it into this slot
+                slot = self.index.allocate(h)
+                if slot is None:
+                    slot = MISSING_SLOT
+                else:
+                    self.index.use(h)
+                    self.fetches.promote(req_id, h)
+            else:
+                slot = self.index.use(h)
+            first = ci * c // bs
+            ids = [block_ids[first + j] if start <= (first + j) * bs < end else -1
+                   for j in range(self.blocks_per_chunk)]
+            loads.append(ChunkTransfer(req_id, ci, h, slot, ids, from_redis))
+        by_tier = hit_tokens_by_tier(loads, bs)
+        return loads, by_tier.get("hit_tokens.memory", 0), by_tier.get("hit_tokens.redis", 0)

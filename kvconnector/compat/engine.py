@@ -1,0 +1,173 @@
+"""vLLM's version, its engine settings, and what its requests and scheduler outputs hold."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from kvconnector.config import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvconnector.compat")
+
+
+# vLLM minor versions kvconnector runs on: 0.32 is tested here (CPU build); 0.33's sources
+# passed the tests over the 0.32 build. docs/configuration.md has the table.
+SUPPORTED_VLLM = ((0, 32), (0, 33))
+
+
+ALLOW_UNTESTED_ENV = "KVCONNECTOR_ALLOW_UNTESTED_VLLM"
+
+
+class UnsupportedVLLM(RuntimeError):
+    """The installed vLLM is not one kvconnector was built and tested for."""
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Refuse to start on a vLLM minor version outside ``SUPPORTED_VLLM``, with a message
+    saying what to do; ``KVCONNECTOR_ALLOW_UNTESTED_VLLM=1`` turns that into a warning."""
+    from packaging.version import InvalidVersion, Version
+
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_VLLM)
+    try:
+        minor = Version(version).release[:2]
+    except InvalidVersion:
+        logger.warning("kvconnector: cannot tell which vLLM this is (version %r); it is "
+                       "built for vLLM %s", version, supported)
+        return
+    if minor in SUPPORTED_VLLM:
+        return
+    message = (f"kvconnector supports vLLM {supported}, but vLLM {version} is installed: "
+               f"install a supported vLLM or a kvconnector release made for this one "
+               f"(set {ALLOW_UNTESTED_ENV}=1 to try it anyway)")
+    if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+        logger.warning("%s; going on because %s=1", message, ALLOW_UNTESTED_ENV)
+        return
+    raise UnsupportedVLLM(message)
+
+
+def check_sleep_mode(vllm_config: VllmConfig) -> None:
+    """Sleep mode frees the KV cache under saves still copying out of it, and vLLM 0.32
+    gives connectors no hook to finish them first: refuse it at start-up."""
+    model_config = vllm_config.model_config
+    if model_config is not None and getattr(model_config, "enable_sleep_mode", False):
+        raise ConfigError(
+            "kvconnector does not support vLLM's sleep mode (enable_sleep_mode): sleep "
+            "frees the KV cache while the connector may still be copying out of it. Start "
+            "the engine without --enable-sleep-mode. A cache reset "
+            "(reset_prefix_cache(reset_connector=True)) is what a weight update needs.")
+
+
+def recompute_failed_loads(vllm_config: VllmConfig) -> None:
+    """A cache must never fail a request, and a load can always fail: Redis keys anyone
+    can plant, a value damaged or expired after the lookup, a chunk evicted between the
+    lookup and the load. vLLM's default ``kv_load_failure_policy`` ("fail") would fail
+    those requests, so the scheduler runs kvconnector with "recompute" whatever was asked.
+    vLLM 0.32/0.33 build the scheduler's connector before they read the policy."""
+    kv = vllm_config.kv_transfer_config
+    if kv is None or kv.kv_load_failure_policy == "recompute":
+        return
+    logger.warning(
+        "kvconnector: kv_load_failure_policy=%r would fail a request whenever a stored "
+        "chunk cannot be loaded (damaged, evicted or expired after the lookup, or a key "
+        "planted in a shared Redis); kvconnector runs with \"recompute\" instead: such "
+        "chunks are recomputed. Set \"kv_load_failure_policy\": \"recompute\" to silence "
+        "this.", kv.kv_load_failure_policy)
+    kv.kv_load_failure_policy = "recompute"
+
+
+def mark_approximate(request: Request, first_token: int, block_size: int, salt: bytes) -> None:
+    """Keep KV that full prefill did not compute (a blend) out of vLLM's prefix cache for
+    requests that expect it exact. vLLM caches a request's blocks under
+    ``request.block_hashes`` (computed when the request arrives, before the connector is
+    asked): the hashes of the blocks from ``first_token`` on are replaced by salted ones,
+    so vLLM caches those blocks under keys that no plain request computes, and the hashes
+    of later blocks chain from them. Idempotent per salt only: call it once per request."""
+    hashes = request.block_hashes
+    for i in range(first_token // block_size, len(hashes)):
+        hashes[i] = type(hashes[i])(hashlib.blake2b(salt + bytes(hashes[i]),
+                                                    digest_size=32).digest())
+
+
+def hit_source_labels() -> tuple[Any, Any]:
+    """vLLM's labels for hits from (host memory, Redis). vLLM has no label for a remote
+    store; it reports its own object-store tier as DISK, a storage tier behind memory."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    return CacheHitSource.HOST, CacheHitSource.DISK
+
+
+def is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def uncacheable_reason(request: Request) -> str | None:
+    """Why a request's KV must not be shared by token ids alone, if it must not."""
+    if request.lora_request is not None:
+        return "LoRA adapter"
+    if request.mm_features:
+        return "multimodal input"
+    if request.prompt_embeds is not None:
+        return "prompt embeddings"
+    if getattr(request, "pooling_params", None) is not None:
+        return "pooling request"
+    return None
+
+
+def kv_complete_tokens(request: Request) -> int:
+    """Leading tokens of a finished request whose KV its blocks hold: 0 unless it finished
+    with output (an abort can come while its KV is still being loaded or computed)."""
+    from vllm.v1.request import RequestStatus
+
+    normal = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED,
+              getattr(RequestStatus, "FINISHED_REPETITION", RequestStatus.FINISHED_STOPPED)}
+    if request.status not in normal or request.num_output_tokens == 0:
+        return 0
+    # Tokens of a step still in flight (async scheduling) are counted but not computed yet.
+    return max(0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0))
+
+
+def request_block_ids(scheduler_output: SchedulerOutput, req_id: str) -> list[int] | None:
+    """Scheduler block ids of a request scheduled in this step (the one attention group)."""
+    state = scheduler_output.kv_connector_block_state
+    if state is None:
+        return None
+    groups = state.get_block_ids(req_id)
+    return list(groups[0]) if groups else None
+
+
+def blocks_handed_out(scheduler_output: SchedulerOutput) -> set[int]:
+    """Block ids this step may write KV into: blocks of requests scheduled new or resumed,
+    blocks added to running requests, blocks vLLM zeroes or copies into."""
+    ids: set[int] = set()
+    for new in scheduler_output.scheduled_new_reqs:
+        if new.block_ids:
+            ids.update(new.block_ids[0])
+    for groups in scheduler_output.scheduled_cached_reqs.new_block_ids:
+        if groups:
+            ids.update(groups[0])
+    ids.update(scheduler_output.new_block_ids_to_zero or ())
+    ids.update(c.dst_block_id for c in scheduler_output.kv_cache_block_copies or ())
+    return ids
+
+
+def extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
+    return dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})

@@ -116,7 +116,9 @@ class RedisConnections:
     @property
     def in_backoff(self) -> bool:
         """The server, or any node of the cluster, is backing off."""
-        return self._backoff.active or any(b.active for b in self._node_backoffs.values())
+        # A copy: the lookup and put threads add nodes while the stats read this.
+        nodes = tuple(self._node_backoffs.values())
+        return self._backoff.active or any(b.active for b in nodes)
 
     def note_error_replies(self, errors: list[str]) -> None:
         """Error replies to a call: a cluster's MOVED, ASK or CLUSTERDOWN has its slot map

@@ -141,9 +141,15 @@ class KVConnector(KVConnectorBase_V1):
             self._scheduler.shutdown()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The counters since the last call. A fault while gathering them costs this
+        report, never the engine: vLLM calls this on its scheduler's and workers' steps."""
         half = self._worker or self._scheduler
         assert half is not None
-        return half.take_stats()
+        try:
+            return half.take_stats()
+        except Exception:
+            logger.exception("kvconnector: gathering transfer stats failed; skipped")
+            return None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:

@@ -118,3 +118,16 @@ def test_store_tap_reports_increments_of_a_real_client():
     store.exists_prefix(["a"], 1.0)  # still in backoff: skipped, no new error
     assert "redis_errors.error" not in tap.counts(store)
     store.close()
+
+
+def test_a_fault_while_gathering_stats_costs_the_report_not_the_engine(caplog):
+    from kvconnector.connector import KVConnector
+
+    class Broken:
+        def take_stats(self):
+            raise RuntimeError("dictionary changed size during iteration")
+
+    connector = object.__new__(KVConnector)  # only the routing to a half is under test
+    connector._worker, connector._scheduler = Broken(), None
+    assert connector.get_kv_connector_stats() is None
+    assert "gathering transfer stats failed" in caplog.text

@@ -17,14 +17,15 @@ from kvconnector.background import CopyThread
 from kvconnector.blend.worker import BlendWorker
 from kvconnector.config import ConnectorConfig
 from kvconnector.kernels.batched import PagedCopier, block_runs
-from kvconnector.keys import ChunkKey
 from kvconnector.layout import LayerLayout, LayoutError, describe_layers
+from kvconnector.ledger import Ledger
 from kvconnector.metadata import ChunkTransfer, StepPlan, WorkerReport
 from kvconnector.metrics import StoreTap
 from kvconnector.stats import TransferStats
 from kvconnector.store import ChunkCorrupt, SlotPool, open_redis
 from kvconnector.store.memory import host_memory
 from kvconnector.store.tiering import RedisTier
+from kvconnector.worker_store import WorkerStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -48,23 +49,26 @@ class WorkerHalf:
         self.tp_rank = compat.tp_rank()
         self.num_slots = config.memory_slots(compat.chunk_bytes(kv_cache_config, config))
         config.check_memory_available(*host_memory())
-        self.stats = TransferStats()  # since the last report to vLLM
-        self.totals = TransferStats()  # since start-up
+        self.ledger = Ledger()
         self._redis_tap = StoreTap()
-        self._load_errors: set[int] = set()
-        self._report = WorkerReport()  # since the last step's report
         self.layers: list[torch.Tensor] = []
         self.layout: LayerLayout | None = None
         self.pool: SlotPool | None = None
+        self.store: WorkerStore | None = None
         self._ratio = 1
         self.redis_tier: RedisTier | None = None
         self._host_transfer: HostTransfer | None = None
         self._copier: PagedCopier | None = None
         self.copies = CopyThread()
-        self._lock = threading.Lock()  # sets and counters the copy thread also writes
         self._device_lock = threading.Lock()  # HostTransfer's staging buffer is shared
-        self._received: set[str] = set()  # parked requests whose loads are done
-        self.blend = BlendWorker(vllm_config, self) if config.blending.enabled else None
+        self.blend = (BlendWorker(config, vllm_config, self.spec, len(self.layer_names),
+                                  self.copies, self.ledger)
+                      if config.blending.enabled else None)
+
+    @property
+    def totals(self) -> TransferStats:
+        """Counters since start-up."""
+        return self.ledger.totals
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [n for n in self.layer_names if n not in kv_caches]
@@ -92,20 +96,16 @@ class WorkerHalf:
                                                self.config.chunk_size // kbs, max_chunks=1)
         else:
             self._copier = PagedCopier(self.layers, self.layout)
+        stream = self._host_transfer.stream if self._host_transfer is not None else None
+        self.store = WorkerStore(self.pool, self.redis_tier, self.fingerprint, self.tp_rank,
+                                 self.ledger, stream)
         if self.blend is not None:
-            self.blend.attach()
+            self.blend.attach(self.layers, self.layout, self.store)
         logger.info("kvconnector worker rank %d: %d layers, layout %s %s",
                     self.tp_rank, len(self.layers), self.layout.family, self.layout.sizes)
 
-    def _key(self, t: ChunkTransfer) -> ChunkKey:
-        return ChunkKey(self.fingerprint, self.tp_rank, t.chunk_hash)
-
     def _kernel_ids(self, block_ids: list[int]) -> list[int]:
-        """Scheduler block ids -> kernel block ids (-1 stays -1)."""
-        r = self._ratio
-        if r == 1:
-            return block_ids
-        return [b * r + i if b >= 0 else -1 for b in block_ids for i in range(r)]
+        return kernels.kernel_block_ids(block_ids, self._ratio)
 
     def _kernel_block_ids(self, block_ids: list[int]) -> torch.Tensor:
         return torch.tensor([self._kernel_ids(block_ids)], dtype=torch.long)
@@ -132,17 +132,9 @@ class WorkerHalf:
 
     def _load_request(self, req_id: str, transfers: list[ChunkTransfer]) -> None:
         try:
-            wanted = [(t.slot, self._key(t)) for t in transfers if t.from_redis and t.slot >= 0]
-            if wanted and self.redis_tier is not None:
-                if self._host_transfer is not None:
-                    # An earlier load may still be copying out of a slot the fetch refills.
-                    self._host_transfer.stream.synchronize()
-                start = time.perf_counter()
-                n = self.redis_tier.fetch(wanted)
-                elapsed = time.perf_counter() - start
-                self._count(redis_loaded_chunks=n, redis_misses=len(wanted) - n,
-                            load_seconds=elapsed)
-                self._observe(redis_fetch_seconds=elapsed)
+            assert self.store is not None
+            self.store.fetch([(t.slot, t.chunk_hash) for t in transfers
+                              if t.from_redis and t.slot >= 0])
             self._load_chunks(transfers, on_copy_thread=True)
         except Exception:  # blocks that may not have been written are recomputed
             logger.exception("kvconnector: loading request %s failed; its blocks will be "
@@ -150,18 +142,17 @@ class WorkerHalf:
             for t in transfers:
                 self._load_failed(t, "error")
         finally:  # vLLM releases the request only once it is reported, failed or not
-            with self._lock:
-                self._received.add(req_id)
+            self.ledger.received(req_id)
 
     def _load_chunks(self, transfers: list[ChunkTransfer], on_copy_thread: bool) -> None:
         """Check every slot's key, then move all the chunks that passed at once. A slot
         that fails costs a recompute of its blocks, never the request."""
-        assert self.pool is not None
+        assert self.pool is not None and self.store is not None
         start = time.perf_counter()
         ready: list[ChunkTransfer] = []
         for t in transfers:
             try:
-                self.pool.read(t.slot, self._key(t))
+                self.store.read(t.slot, t.chunk_hash)
             except ChunkCorrupt as e:
                 logger.warning("kvconnector: %s; its blocks will be recomputed", e)
                 self._load_failed(t, e.reason)
@@ -175,8 +166,8 @@ class WorkerHalf:
                 self._copier.scatter(self.pool.buffer, runs)
             else:
                 for t in ready:
-                    self._copy_in(self.pool.slot(t.slot), self._kernel_block_ids(t.block_ids),
-                                  on_copy_thread)
+                    self._load_cuda(self.pool.slot(t.slot), self._kernel_block_ids(t.block_ids),
+                                    on_copy_thread)
         except Exception:
             logger.exception("kvconnector: loading %d chunks failed", len(ready))
             for t in ready:
@@ -185,16 +176,28 @@ class WorkerHalf:
         n_blocks = sum(b >= 0 for t in ready for b in t.block_ids)
         bpc = len(ready[0].block_ids)
         elapsed = time.perf_counter() - start
-        self._count(loaded_chunks=len(ready), loaded_tokens=n_blocks * self.spec.block_size,
-                    loaded_bytes=self.pool.chunk_bytes * n_blocks // bpc, load_seconds=elapsed)
-        self._observe(load_batch_seconds=elapsed)
+        self.ledger.count(loaded_chunks=len(ready),
+                          loaded_tokens=n_blocks * self.spec.block_size,
+                          loaded_bytes=self.pool.chunk_bytes * n_blocks // bpc,
+                          load_seconds=elapsed)
+        self.ledger.observe(load_batch_seconds=elapsed)
+
+    def _load_cuda(self, slot: torch.Tensor, block_ids: torch.Tensor,
+                   on_copy_thread: bool) -> None:
+        """Host slot -> blocks; on the main thread, ordered before the compute stream's next
+        work; on the copy thread, complete on return."""
+        assert self._host_transfer is not None
+        with self._device_lock:
+            done = self._host_transfer.load(slot[None], block_ids)
+        if on_copy_thread:
+            done.synchronize()
+        else:
+            torch.cuda.current_stream(self.layers[0].device).wait_event(done)
 
     def _load_failed(self, t: ChunkTransfer, reason: str) -> None:
-        with self._lock:
-            self._load_errors.update(b for b in t.block_ids if b >= 0)
-            self._report.bad_chunks.add(t.chunk_hash)
-            self._report.note_failed_load(t.req_id, t.index)
-        self._count(load_errors=1, **{f"load_errors.{reason}": 1})
+        self.ledger.load_failed(t.req_id, t.index, [b for b in t.block_ids if b >= 0],
+                                [t.chunk_hash])
+        self.ledger.count(load_errors=1, **{f"load_errors.{reason}": 1})
 
     # ---- saves ----
     def save(self, transfers: list[ChunkTransfer]) -> None:
@@ -204,7 +207,7 @@ class WorkerHalf:
         them, and a later step that hands them out again lists the request in its
         ``fence``, which ``handle_preemptions`` waits for before any KV is written.
         """
-        assert self.pool is not None
+        assert self.store is not None
         if not transfers:
             return
         if self._host_transfer is None:
@@ -215,7 +218,7 @@ class WorkerHalf:
             self.copies.wait_for_slots([t.slot])
             start = time.perf_counter()
             try:
-                buf = self.pool.begin_write(t.slot)
+                buf = self.store.begin_write(t.slot)
                 with self._device_lock:
                     done = self._host_transfer.save(self._kernel_block_ids(t.block_ids), buf[None])
             except Exception:
@@ -226,15 +229,15 @@ class WorkerHalf:
 
     def _save_chunks(self, transfers: list[ChunkTransfer]) -> None:
         """All of a step's saves in one pass (the copy thread, CPU)."""
-        assert self.pool is not None and self._copier is not None
+        assert self.store is not None and self._copier is not None
         start = time.perf_counter()
         try:
             for t in transfers:
-                buf = self.pool.begin_write(t.slot)
+                buf = self.store.begin_write(t.slot)
                 if any(b < 0 for b in t.block_ids):
                     buf.zero_()  # a partial chunk: no bytes of an earlier chunk stay behind
             runs = block_runs((t.slot, self._kernel_ids(t.block_ids)) for t in transfers)
-            self._copier.gather(self.pool.buffer, runs)
+            self._copier.gather(self.store.pool.buffer, runs)
         except Exception:
             for t in transfers:
                 self._save_failed(t)
@@ -245,29 +248,26 @@ class WorkerHalf:
     def _seal(self, t: ChunkTransfer, copied: torch.cuda.Event | None, start: float) -> None:
         """Mark the slot as holding ``t``'s chunk. Only values bound for Redis get a checksum:
         memory slots never leave this process (docs/architecture.md, "Integrity")."""
-        assert self.pool is not None
+        assert self.store is not None
         try:
             if copied is not None:
                 copied.synchronize()
-            key = self._key(t)
-            self.pool.end_write(t.slot, key)
-            if self.redis_tier is not None:
-                self.redis_tier.offload(t.slot, key)
+            self.store.seal(t.slot, t.chunk_hash)
         except Exception:
             self._save_failed(t)
             return
         n_blocks = sum(b >= 0 for b in t.block_ids)
         elapsed = time.perf_counter() - start
-        self._count(saved_chunks=1, saved_tokens=n_blocks * self.spec.block_size,
-                    saved_bytes=self.pool.chunk_bytes * n_blocks // len(t.block_ids),
-                    save_seconds=elapsed)
-        self._observe(chunk_save_seconds=elapsed)
+        self.ledger.count(saved_chunks=1, saved_tokens=n_blocks * self.spec.block_size,
+                          saved_bytes=self.store.pool.chunk_bytes * n_blocks // len(t.block_ids),
+                          save_seconds=elapsed)
+        self.ledger.observe(chunk_save_seconds=elapsed)
 
     def _save_failed(self, t: ChunkTransfer) -> None:
-        logger.exception("kvconnector: saving chunk %s failed", self._key(t))
-        with self._lock:
-            self._report.bad_chunks.add(t.chunk_hash)
-        self._count(save_errors=1)
+        assert self.store is not None
+        logger.exception("kvconnector: saving chunk %s failed", self.store.key(t.chunk_hash))
+        self.ledger.bad_chunks([t.chunk_hash])
+        self.ledger.count(save_errors=1)
 
     def handle_preemptions(self, plan: StepPlan) -> None:
         """Runs before the step writes KV. Queues the saves of requests that finished since
@@ -283,51 +283,19 @@ class WorkerHalf:
         """Parked requests whose loads are done (failed ones included)."""
         if self.blend is not None:
             self.blend.run_ready()
-        with self._lock:
-            received, self._received = self._received, set()
-        return received
-
-    def _copy_in(self, slot: torch.Tensor, block_ids: torch.Tensor, on_copy_thread: bool) -> None:
-        """Host slot -> blocks; on the main thread, ordered before the compute stream's next
-        work; on the copy thread, complete on return."""
-        if self._host_transfer is None:
-            kernels.scatter(slot[None], self.layout, block_ids, self.layers)
-            return
-        with self._device_lock:
-            done = self._host_transfer.load(slot[None], block_ids)
-        if on_copy_thread:
-            done.synchronize()
-        else:
-            torch.cuda.current_stream(self.layers[0].device).wait_event(done)
-
-    def _count(self, **counts: float) -> None:
-        with self._lock:
-            self.stats.add(**counts)
-            self.totals.add(**counts)
-
-    def _observe(self, **seconds: float) -> None:
-        with self._lock:
-            self.stats.observe(**seconds)
+        return self.ledger.take_received()
 
     def take_load_errors(self) -> set[int]:
-        with self._lock:
-            errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self.ledger.take_load_errors()
 
     def take_report(self) -> WorkerReport | None:
-        with self._lock:
-            if not self._report:
-                return None
-            report, self._report = self._report, WorkerReport()
-        return report
+        return self.ledger.take_report()
 
     def outstanding(self) -> dict[str, int]:
         """Pending state; all zero between steps once every request has finished."""
         queued = self.redis_tier.queued if self.redis_tier is not None else 0
-        out = {"load_errors": len(self._load_errors), "bad_chunks": len(self._report.bad_chunks),
-               "failed_loads": len(self._report.failed_loads),
-               "redis_puts_queued": queued, "copy_jobs": self.copies.pending,
-               "received": len(self._received)}
+        out = {**self.ledger.outstanding(), "redis_puts_queued": queued,
+               "copy_jobs": self.copies.pending}
         if self.blend is not None:
             out.update(self.blend.outstanding())
         return out
@@ -341,9 +309,5 @@ class WorkerHalf:
             self.redis_tier.close(max(0.0, deadline - time.monotonic()))
 
     def take_stats(self) -> TransferStats | None:
-        self._count(**self._redis_tap.counts(self.redis_tier))
-        with self._lock:
-            if self.stats.is_empty():
-                return None
-            stats, self.stats = self.stats, TransferStats()
-        return stats
+        self.ledger.count(**self._redis_tap.counts(self.redis_tier))
+        return self.ledger.take_stats()

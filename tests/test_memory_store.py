@@ -124,7 +124,7 @@ def _key(i: int) -> ChunkKey:
 
 def test_pool_round_trip_and_checks():
     pool = SlotPool(3, (2, 2, 8, 2, 4), torch.bfloat16)
-    assert pool.capacity_bytes == 3 * 2 * 2 * 8 * 2 * 4 * 2
+    assert pool.chunk_bytes == 2 * 2 * 8 * 2 * 4 * 2
     assert pool.buffer.is_pinned() == torch.cuda.is_available()
     buf = pool.begin_write(1)
     buf.copy_(torch.randn(buf.shape).to(buf.dtype))

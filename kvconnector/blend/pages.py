@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvconnector.kernels import kernel_block_ids
 from kvconnector.layout import LayerLayout
 
 #: ``write(key [T, H, D], value [T, H, D], kv_cache [B, H, block, 2D], slot_mapping [T])``
@@ -83,9 +84,7 @@ class TokenPages:
         self.device = self.layers[0].device
 
     def kernel_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
-        ids = torch.tensor(list(block_ids), dtype=torch.long)
-        if self.ratio > 1:
-            ids = (ids[:, None] * self.ratio + torch.arange(self.ratio)[None, :]).reshape(-1)
+        ids = torch.tensor(kernel_block_ids(block_ids, self.ratio), dtype=torch.long)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.layout.num_blocks):
             raise IndexError(f"block ids {block_ids} outside the KV cache")
         return ids.to(self.device)

@@ -3,6 +3,7 @@
 ``gather``/``scatter`` here pick the implementation: the Triton kernels in ``triton_copy``
 when every tensor is on CUDA, the reference otherwise. ``triton_copy`` (and so Triton) is
 imported only the first time CUDA tensors arrive, so CPU-only installs never need Triton.
+``kernel_block_ids`` turns scheduler block ids into the kernel block ids all of them take.
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ import torch
 from kvconnector.kernels import reference
 from kvconnector.layout import LayerLayout
 
-__all__ = ["gather", "scatter"]
+__all__ = ["gather", "kernel_block_ids", "scatter"]
+
+
+def kernel_block_ids(block_ids: Sequence[int], ratio: int) -> list[int]:
+    """Scheduler block ids -> kernel block ids, ``ratio`` kernel blocks per scheduler block
+    (the attention backend may page in smaller blocks); -1 stays -1, once per kernel block."""
+    if ratio == 1:
+        return list(block_ids)
+    return [b * ratio + i if b >= 0 else -1 for b in block_ids for i in range(ratio)]
 
 
 def _on_cuda(layers: Sequence[torch.Tensor], chunks: torch.Tensor) -> bool:

@@ -192,10 +192,6 @@ class SlotPool:
         logger.info("kvconnector memory pool: %d slots x %.1f MiB (%s, pinned=%s)",
                     num_slots, self.chunk_bytes / 2**20, dtype, pin)
 
-    @property
-    def capacity_bytes(self) -> int:
-        return self.num_slots * self.chunk_bytes
-
     def slot(self, slot: int) -> torch.Tensor:
         return self.buffer[slot]
 

@@ -1,0 +1,82 @@
+"""What the worker half owes vLLM at its next report: counters, the blocks whose loads
+failed, chunks found unusable, and parked requests whose loads are done.
+
+The main thread and the copy thread both write here, so every field sits behind one lock.
+Blend (``blend/worker.py``) writes through the same methods as the half.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from kvconnector.metadata import WorkerReport
+from kvconnector.stats import TransferStats
+
+
+class Ledger:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = TransferStats()  # since the last report to vLLM
+        self.totals = TransferStats()  # since start-up
+        self._load_errors: set[int] = set()
+        self._report = WorkerReport()  # since the last step's report
+        self._received: set[str] = set()  # parked requests whose loads are done
+
+    def count(self, **counts: float) -> None:
+        with self._lock:
+            self._stats.add(**counts)
+            self.totals.add(**counts)
+
+    def observe(self, **seconds: float) -> None:
+        with self._lock:
+            self._stats.observe(**seconds)
+
+    def load_failed(self, req_id: str, index: int, block_ids: Iterable[int],
+                    bad_chunks: Iterable[bytes] = ()) -> None:
+        """vLLM recomputes ``block_ids``; the scheduler never plans chunk ``index`` or later
+        of ``req_id`` again, and forgets ``bad_chunks``."""
+        with self._lock:
+            self._load_errors.update(block_ids)
+            self._report.bad_chunks.update(bad_chunks)
+            self._report.note_failed_load(req_id, index)
+
+    def bad_chunks(self, chunk_hashes: Iterable[bytes]) -> None:
+        """Chunks the scheduler must forget (unreadable, or their save failed)."""
+        with self._lock:
+            self._report.bad_chunks.update(chunk_hashes)
+
+    def received(self, req_id: str) -> None:
+        """A parked request's loads are done, failed or not: vLLM may run it."""
+        with self._lock:
+            self._received.add(req_id)
+
+    def take_received(self) -> set[str]:
+        with self._lock:
+            received, self._received = self._received, set()
+        return received
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_report(self) -> WorkerReport | None:
+        with self._lock:
+            if not self._report:
+                return None
+            report, self._report = self._report, WorkerReport()
+        return report
+
+    def take_stats(self) -> TransferStats | None:
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, TransferStats()
+        return stats
+
+    def outstanding(self) -> dict[str, int]:
+        return {"load_errors": len(self._load_errors),
+                "bad_chunks": len(self._report.bad_chunks),
+                "failed_loads": len(self._report.failed_loads),
+                "received": len(self._received)}

@@ -1,0 +1,110 @@
+"""The worker half's parts blend shares with it: the ledger, the store, block-id expansion
+(no engine)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvconnector.kernels import kernel_block_ids
+from kvconnector.ledger import Ledger
+from kvconnector.store import ChunkCorrupt, SlotPool
+from kvconnector.worker_store import WorkerStore
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def test_kernel_block_ids_expand_each_block_and_keep_holes():
+    assert kernel_block_ids([3, 0], 1) == [3, 0]
+    assert kernel_block_ids([2, -1, 0], 2) == [4, 5, -1, -1, 0, 1]
+    assert kernel_block_ids([], 4) == []
+
+
+def test_ledger_reports_once_and_then_is_empty():
+    ledger = Ledger()
+    ledger.load_failed("r", 3, [7, 8], [h(1)])
+    ledger.load_failed("r", 1, [9])
+    ledger.bad_chunks([h(2)])
+    ledger.received("p")
+    ledger.count(loaded_chunks=2)
+    assert ledger.outstanding() == {"load_errors": 3, "bad_chunks": 2, "failed_loads": 1,
+                                    "received": 1}
+    report = ledger.take_report()
+    assert report is not None
+    assert report.bad_chunks == {h(1), h(2)} and report.failed_loads == {"r": 1}
+    assert ledger.take_load_errors() == {7, 8, 9}
+    assert ledger.take_received() == {"p"}
+    stats = ledger.take_stats()
+    assert stats is not None and stats.data["loaded_chunks"] == 2
+    assert ledger.take_report() is None and ledger.take_stats() is None
+    assert not any(ledger.outstanding().values())
+    assert ledger.totals.data["loaded_chunks"] == 2  # totals are never taken
+
+
+class FakeTier:
+    def __init__(self, pool: SlotPool, arrive: set[int]) -> None:
+        self.pool, self.arrive = pool, arrive
+        self.offloaded: list[int] = []
+
+    def fetch(self, wanted):
+        for slot, key in wanted:
+            self.pool.begin_write(slot)
+            if slot in self.arrive:
+                self.pool.end_write(slot, key, for_redis=False)
+        return sum(slot in self.arrive for slot, _ in wanted)
+
+    def offload(self, slot, key):
+        self.offloaded.append(slot)
+
+
+class FakeStream:
+    def __init__(self) -> None:
+        self.synced = 0
+
+    def synchronize(self) -> None:
+        self.synced += 1
+
+
+def test_store_fetch_counts_and_waits_for_the_copy_stream():
+    pool = SlotPool(4, (2, 8), torch.float32)
+    ledger, stream = Ledger(), FakeStream()
+    store = WorkerStore(pool, FakeTier(pool, {1}), b"f" * 16, 0, ledger, stream)
+    store.fetch([(1, h(1)), (2, h(2))])
+    assert stream.synced == 1
+    store.read(1, h(1))
+    with pytest.raises(ChunkCorrupt):
+        store.read(2, h(2))  # did not arrive: unsealed
+    stats = ledger.take_stats()
+    assert stats is not None
+    assert stats.data["redis_loaded_chunks"] == 1 and stats.data["redis_misses"] == 1
+    store.fetch([])
+    assert stream.synced == 1  # nothing wanted: no wait, nothing counted
+    assert ledger.take_stats() is None
+
+
+def test_store_seal_keys_the_slot_and_offloads_it():
+    pool = SlotPool(2, (2, 8), torch.float32)
+    tier = FakeTier(pool, set())
+    store = WorkerStore(pool, tier, b"f" * 16, 1, Ledger())
+    store.begin_write(0).fill_(1.0)
+    store.seal(0, h(5))
+    assert pool.slot_holding(store.key(h(5))) == 0 and tier.offloaded == [0]
+    assert WorkerStore(pool, None, b"f" * 16, 1, Ledger()).read(0, h(5)).sum() == 16
+
+
+def test_blend_worker_is_a_plug_in_of_the_worker_half():
+    """blend/worker.py imports nothing of the half and touches no private name of it."""
+    tree = ast.parse((ROOT / "kvconnector/blend/worker.py").read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "kvconnector.worker" not in imported
+    assert not [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                and isinstance(n.value, ast.Attribute) and n.value.attr in ("half", "store",
+                                                                            "ledger")
+                and n.attr.startswith("_")]

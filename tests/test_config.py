@@ -1,8 +1,14 @@
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 
+from kvconnector.blend.config import REQUEST_KEYS, BlendConfig
 from kvconnector.config import ConfigError, ConnectorConfig, parse_size
+from kvconnector.config_schema import Setting, check, human_size, settings
 
 
 def test_defaults_need_no_config():
@@ -99,3 +105,43 @@ def test_memory_capacity_above_what_the_machine_has_is_refused():
                                           r"can give: 16GiB available now, of 32GiB"):
         cfg.check_memory_available(16 << 30, 32 << 30)
     cfg.check_memory_available(10 ** 13, 10 ** 13)
+
+
+def _doc_default(key: str, value: object) -> str:
+    """A default as docs/configuration.md writes it."""
+    if value is None:
+        return "none"
+    if key == "memory_capacity":
+        return f'`"{human_size(value)}"`'
+    if isinstance(value, float):
+        return f"`{value:g}`"
+    return f"`{json.dumps(value)}`"
+
+
+def test_the_docs_tables_hold_every_key_with_its_default():
+    """docs/configuration.md stays true to the schema: every key, its default, and the
+    keys a request may override."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    cfg = ConnectorConfig()
+    for prefix, cls, obj in (("", ConnectorConfig, cfg), ("blend_", BlendConfig, cfg.blending)):
+        for key, (f, s) in settings(cls, prefix).items():
+            assert s.doc, f"{key}: no doc"
+            row = f"| `{key}` | {_doc_default(key, getattr(obj, f.name))} |"
+            assert row in doc, f"docs/configuration.md has no row {row}"
+    overrides = doc[doc.index("A request can override"):doc.index("`kv_transfer_params`")]
+    assert set(re.findall(r"`(\w+)`", overrides)) == REQUEST_KEYS
+
+
+@pytest.mark.parametrize("kind, good, bad, message", [
+    ("int", 3, 0, "k: expected a positive integer, got 0"),
+    ("ratio", 1, float("nan"), "k: expected a number from 0 to 1, got nan"),
+    ("number", 2, float("nan"), "k: expected a positive number, got nan"),
+    ("url", "redis://pw@h", "http://pw@h", r"k: expected a URL starting with one of \("),
+    ("ids", [1, 2], [1, True], "k: expected a non-empty list of token ids, got"),
+])
+def test_the_checker_names_the_key_and_what_it_expects(kind, good, bad, message):
+    s = Setting(kind, lo=1, choices=("redis://",))
+    check("k", s, good)
+    with pytest.raises(ConfigError, match=message) as e:
+        check("k", s, bad)
+    assert "pw" not in str(e.value)  # a URL may hold a password: never echoed

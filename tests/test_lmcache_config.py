@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvconnector import lmcache_config
+from kvconnector.blend.config import BLEND_KEYS
 from kvconnector.config import ConfigError, ConnectorConfig
+from kvconnector.config_schema import settings
 from kvconnector.lmcache_config import RULES, translate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -234,3 +236,8 @@ def test_a_remote_url_with_no_scheme_is_refused_without_echoing_it():
     with pytest.raises(ConfigError, match="a URL with no scheme") as e:
         lmcache_config._remote_url("user:Pw0rd@host:6379", {})
     assert "Pw0rd" not in str(e.value)
+
+
+def test_every_mapped_key_maps_onto_a_kvconnector_key():
+    known = set(settings(ConnectorConfig)) | BLEND_KEYS
+    assert {r.target for r in RULES.values() if r.target} <= known

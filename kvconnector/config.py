@@ -27,6 +27,8 @@ _SECRETS = ("redis_password", "chunk_mac_key")
 _SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 _PATH = {"pattern": r"(?s).+", "expected": "a non-empty string", "optional": True}
 
+_DISK_KEYS = ("disk_capacity", "disk_direct_io", "disk_write_threads")
+
 DEFAULT_CHUNK_SIZE = 256
 DEFAULT_MEMORY_CAPACITY = 2 << 30
 
@@ -66,9 +68,22 @@ class ConnectorConfig:
         "out of vLLM's logs, which print this config).", **_PATH)
     redis_password_file: str | None = setting(
         None, "text", "A file holding the Redis password (for mounted secrets).", **_PATH)
+    disk_path: str | None = setting(
+        None, "text", "A directory for the disk tier, behind memory and before Redis; off "
+        "when absent. Kept across restarts; the engines of one host may share it.", **_PATH)
+    disk_capacity: int | None = setting(
+        None, "size", "Bytes of chunk files disk_path may hold (the least recently used go "
+        "first); checked against the file system's free space at start-up. Default: half "
+        "of the free space then, at most 1TiB.", optional=True)
+    disk_direct_io: bool = setting(
+        False, "bool", "Read chunk files with O_DIRECT (bypassing the page cache, which "
+        "otherwise keeps recently written and read chunks as a free extra tier).")
+    disk_write_threads: int = setting(
+        1, "int", "Threads writing chunk files (more for several NVMe devices).", lo=1)
     chunk_mac_key_env: str | None = setting(
         None, "text", "Name of an environment variable holding a secret shared by the "
-        "engines that share Redis: values are signed, unsigned ones are misses.", **_PATH)
+        "engines that share Redis or a disk directory: values are signed, unsigned ones are "
+        "misses.", **_PATH)
     chunk_mac_key_file: str | None = setting(
         None, "text", "A file holding that secret.", **_PATH)
     blending: BlendConfig = field(default_factory=BlendConfig)
@@ -89,8 +104,14 @@ class ConnectorConfig:
             env, path = extra.get(f"{secret}_env"), extra.get(f"{secret}_file")
             if env is not None and path is not None:
                 raise ConfigError(f"give {secret}_env or {secret}_file, not both")
-            if (env is not None or path is not None) and not extra.get("redis_url"):
-                raise ConfigError(f"{secret}_{'env' if env else 'file'} needs redis_url")
+            stores = ("redis_url",) if secret == "redis_password" else ("redis_url",
+                                                                        "disk_path")
+            if (env is not None or path is not None) and not any(extra.get(k) for k in stores):
+                raise ConfigError(f"{secret}_{'env' if env else 'file'} needs "
+                                  f"{' or '.join(stores)}")
+        for key in _DISK_KEYS:
+            if extra.get(key) is not None and not extra.get("disk_path"):
+                raise ConfigError(f"{key} needs disk_path (the disk tier's directory)")
         config = cls(blending=blending, **parse(cls, extra))
         for secret in _SECRETS:
             config.secret(secret)  # present and usable now, not at the first Redis call

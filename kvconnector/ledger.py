@@ -32,6 +32,10 @@ class Ledger:
         with self._lock:
             self._stats.observe(**seconds)
 
+    def gauges(self, **values: float) -> None:
+        with self._lock:
+            self._stats.set_gauges(**values)
+
     def load_failed(self, req_id: str, index: int, block_ids: Iterable[int],
                     bad_chunks: Iterable[bytes] = ()) -> None:
         """vLLM recomputes ``block_ids``; the scheduler never plans chunk ``index`` or later

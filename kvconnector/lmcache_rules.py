@@ -61,8 +61,29 @@ class Rule:
     also_ok: tuple[Any, ...] = ()
 
 
-_NO_DISK = ("kvconnector has no disk tier: remove it, and use Redis (remote_url) as the "
-            "second tier")
+
+
+def _disk_path(key: str, v: Any) -> str | None:
+    """LMCache's ``local_disk``: a path, or a ``file://`` URL of one."""
+    if v is None:
+        return None
+    path = v.removeprefix("file://") if isinstance(v, str) else ""
+    if not path:
+        raise ConfigError(f"{key}: expected a directory path (or file:///path), got {v!r}; "
+                          "set it to the disk tier's directory")
+    return path
+
+
+def _disk_gib(key: str, v: Any) -> int | None:
+    """LMCache's ``max_local_disk_size`` (GiB; 0, its default, leaves kvconnector's)."""
+    if v in (0, 0.0, None) and not isinstance(v, bool):
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ConfigError(f"{key}: expected a positive size in GB (LMCache counts GiB), got "
+                          f"{v!r}; set it to the disk tier's capacity, or 0 for kvconnector's "
+                          "default")
+    return int(v * GIB)
+
 _NO_PD = "disaggregated prefill is not kvconnector's job (use vLLM's P2P connectors); remove it"
 _NO_CONTROLLER = ("LMCache's controller and P2P sharing have no equivalent: engines share "
                   "chunks through Redis; remove it")
@@ -98,9 +119,10 @@ RULES: dict[str, Rule] = {
                             "xxhash_cbor", "sha256_cbor_hex"),
         refusal="kvconnector keys chunks with its own blake2b chain, the same in every "
         "process; remove it"),
-    "local_disk": Rule(None, refusal=_NO_DISK),
-    "max_local_disk_size": Rule(0.0, also_ok=(0,), refusal=_NO_DISK),
-    "local_disk_path_sharding": Rule("by_gpu", refusal=_NO_DISK),
+    "local_disk": Rule(None, "disk_path", _disk_path),
+    "max_local_disk_size": Rule(0.0, "disk_capacity", _disk_gib),
+    # kvconnector keeps each TP rank's files apart by itself (r<rank> in the path).
+    "local_disk_path_sharding": Rule("by_gpu", also_ok=("by_rank", None)),
     "blend_thresholds": Rule(None, refusal=_NO_THRESHOLDS),
     "extra_config": Rule(None),  # see _extra_config
     "enable_p2p": Rule(False, refusal=_NO_CONTROLLER),

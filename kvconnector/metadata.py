@@ -25,7 +25,9 @@ class ChunkTransfer:
     chunk_hash: bytes
     slot: int
     block_ids: list[int]
-    from_redis: bool = False  # a load: fetch into the slot from Redis first
+    # A load: the tier to fetch the chunk from into the slot first ("disk", "redis"), or
+    # "memory" (in the slot already).
+    source: str = "memory"
 
 
 @dataclass

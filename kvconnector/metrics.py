@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
     from kvconnector.metadata import ChunkTransfer
+    from kvconnector.store.disk_tier import DiskTier
     from kvconnector.store.redis_store import RedisStore
     from kvconnector.store.tiering import RedisTier
 
@@ -46,7 +47,7 @@ class Family:
 
 COUNTERS = (
     Family("hit_tokens", "Prompt tokens served from kvconnector's store, by the tier that "
-           "held them (memory, redis).", "tier"),
+           "held them (memory, disk, redis).", "tier"),
     Family("loaded_chunks", "Chunks copied from the memory tier into vLLM's KV cache."),
     Family("loaded_bytes", "Bytes copied from the memory tier into vLLM's KV cache."),
     Family("saved_chunks", "Chunks copied out of vLLM's KV cache into the memory tier."),
@@ -67,6 +68,18 @@ COUNTERS = (
            "misses meanwhile)."),
     Family("redis_reconnects", "Probes that tried Redis again after a backoff."),
     Family("redis_dropped_puts", "Chunks not sent to Redis because the put queue was full."),
+    Family("disk_chunks", "Chunk files read (op=get) or written (op=put) by the disk tier.",
+           "op"),
+    Family("disk_bytes", "Payload bytes read (op=get) or written (op=put) by the disk tier.",
+           "op"),
+    Family("disk_errors", "Disk tier faults, by kind: io (a read or write failed), full (a "
+           "write refused for want of space: writes pause, then retry), no_room (nothing "
+           "could be evicted to make room).", "kind"),
+    Family("disk_corrupt_files", "Chunk files that failed a check and were deleted, by reason "
+           "(checksum, mac, key, truncated, ...).", "reason"),
+    Family("disk_evictions", "Chunk files evicted from the disk tier (least recently used)."),
+    Family("disk_dropped_puts", "Chunks not written to disk: the write queue was full, or "
+           "writes were paused after the file system refused one."),
     Family("blend_requests", "Requests served by blend (documents reused at any position)."),
     Family("blend_loaded_tokens", "Blended tokens whose stored KV was reused."),
     Family("blend_recomputed_tokens", "Blended tokens recomputed (selected, or in no stored "
@@ -86,20 +99,23 @@ HISTOGRAMS = (
            "tier and seal it (with a checksum when it goes on to Redis)."),
     Family("redis_fetch_seconds", "Time to fetch one request's chunks from Redis (one "
            "pipeline) into memory slots."),
+    Family("disk_fetch_seconds", "Time to read one request's chunk files from the disk tier "
+           "into memory slots."),
     Family("blend_seconds", "Time to blend one request's range (load, select, recompute)."),
 )
 GAUGE_FAMILIES = (
     Family("memory_slots_used", "Memory-tier slots holding a chunk (or planned to)."),
     Family("memory_slots", "Memory-tier slots in all (memory_capacity / chunk bytes)."),
+    Family("disk_write_queue", "Chunks waiting to be written to the disk tier."),
+    Family("disk_files", "Chunk files this worker's disk tier knows of (its index)."),
 )
 
 
 def hit_tokens_by_tier(loads: Iterable[ChunkTransfer], block_size: int) -> dict[str, int]:
-    """Tokens a step's loads bring in, as ``hit_tokens.memory`` / ``hit_tokens.redis``."""
+    """Tokens a step's loads bring in, by the tier they come from."""
     out: dict[str, int] = {}
     for t in loads:
-        key = "hit_tokens.redis" if t.from_redis else "hit_tokens.memory"
-        out[key] = out.get(key, 0) + block_size * sum(b >= 0 for b in t.block_ids)
+        out[t.source] = out.get(t.source, 0) + block_size * sum(b >= 0 for b in t.block_ids)
     return out
 
 
@@ -113,7 +129,7 @@ class StoreTap:
               "reconnects": "redis_reconnects"}
 
     def __init__(self) -> None:
-        self._last: dict[str, float] = {}
+        self._increments = Increments()
 
     def counts(self, source: RedisStore | RedisTier | None) -> dict[str, float]:
         """Increments of ``source`` (a store, or a worker's tier: its store and the puts it
@@ -126,9 +142,40 @@ class StoreTap:
         for reason, n in snap["corrupt_reasons"].items():
             now[f"corrupt_values.{reason}"] = n
         now["redis_dropped_puts"] = getattr(source, "dropped_puts", 0)
+        return self._increments.since_last(now)
+
+
+class Increments:
+    """Running totals turned into the increments since the last call."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def since_last(self, now: dict[str, float]) -> dict[str, float]:
         out = {k: v - self._last.get(k, 0) for k, v in now.items() if v != self._last.get(k, 0)}
         self._last = now
         return out
+
+
+class DiskTap:
+    """A worker's disk tier counters as ``TransferStats`` increments, and its gauges."""
+
+    _PLAIN = {"hits": "disk_chunks.get", "get_bytes": "disk_bytes.get",
+              "puts": "disk_chunks.put", "put_bytes": "disk_bytes.put",
+              "io_errors": "disk_errors.io", "full": "disk_errors.full",
+              "put_no_room": "disk_errors.no_room", "evictions": "disk_evictions",
+              "dropped_puts": "disk_dropped_puts"}
+
+    def __init__(self) -> None:
+        self._increments = Increments()
+
+    def counts(self, tier: DiskTier) -> tuple[dict[str, float], dict[str, float]]:
+        snap = tier.snapshot()
+        now: dict[str, float] = {self._PLAIN[k]: snap[k] for k in self._PLAIN}
+        for reason, n in snap["corrupt"].items():
+            now[f"disk_corrupt_files.{reason}"] = n
+        return (self._increments.since_last(now),
+                {"disk_write_queue": snap["queued"], "disk_files": snap["files"]})
 
 
 class PromMetrics(KVConnectorPromMetrics):

@@ -12,6 +12,7 @@ from kvconnector.lookups import Lookups
 from kvconnector.metadata import ChunkTransfer
 from kvconnector.metrics import hit_tokens_by_tier
 from kvconnector.request_state import PENDING, PrefixHit, RequestState
+from kvconnector.store.disk_catalog import DiskCatalog
 from kvconnector.store.memory import MemoryIndex
 from kvconnector.store.redis_store import RedisStore
 
@@ -21,18 +22,20 @@ MISSING_SLOT = -1  # a load the worker must report as failed
 @dataclass(frozen=True)
 class Held:
     """What the store holds of a request: ``full`` leading chunks, then the first
-    ``partial_blocks`` blocks of the next chunk (key ``partial_hash``)."""
+    ``partial_blocks`` blocks of the next chunk (key ``partial_hash``), each from the tier
+    in ``sources`` (one entry per chunk, the partial one last)."""
 
     full: int
     partial_blocks: int = 0
     partial_hash: bytes | None = None
     from_memory: int = 0  # leading tokens of it held in memory, readable at once
+    sources: tuple[str, ...] = ()
 
 
 class PrefixReuse:
     def __init__(self, config: ConnectorConfig, block_size: int, fingerprint: bytes,
                  tp_size: int, index: MemoryIndex, fetches: Fetches,
-                 lookups: Lookups | None) -> None:
+                 lookups: Lookups | None, disk: DiskCatalog | None = None) -> None:
         self.chunk_size = config.chunk_size
         self.block_size = block_size
         self.blocks_per_chunk = config.chunk_size // block_size
@@ -41,11 +44,14 @@ class PrefixReuse:
         self.index = index
         self.fetches = fetches
         self.lookups = lookups
+        self.disk = disk
+        # A chunk held in memory at the lookup but evicted since is looked for here.
+        self.nearest_lower = "disk" if disk is not None else "redis"
 
     def match(self, st: RequestState, num_computed: int) -> PrefixHit | str | None:
         """The hit beyond vLLM's own ``num_computed`` tokens, PENDING while Redis is asked.
-        Memory hits load synchronously; a hit that needs Redis loads asynchronously while
-        the request waits in vLLM's WAITING_FOR_REMOTE_KVS."""
+        Memory hits load synchronously; a hit that needs the disk or Redis loads
+        asynchronously while the request waits in vLLM's WAITING_FOR_REMOTE_KVS."""
         req = st.request
         # A load must leave at least one token for the forward pass.
         cap = (req.num_tokens - 1) // self.block_size * self.block_size
@@ -56,7 +62,8 @@ class PrefixReuse:
         if hit <= num_computed:
             return None
         partial = (held.full, held.partial_hash) if held.partial_hash is not None else None
-        return PrefixHit(num_computed, hit - num_computed, hit > held.from_memory, partial)
+        return PrefixHit(num_computed, hit - num_computed, hit > held.from_memory, partial,
+                         held.sources)
 
     def _partial_blocks(self, chunk: int, cap: int) -> int:
         """Most blocks a partial chunk at index ``chunk`` can give within ``cap`` tokens."""
@@ -65,6 +72,10 @@ class PrefixReuse:
 
     def _partial_hash(self, st: RequestState, chunk: int, blocks: int) -> bytes:
         return st.partial_hash(chunk, blocks, self.chunk_size, self.block_size)
+
+    def _keys(self, chunk_hash: bytes) -> list[ChunkKey]:
+        """The keys of one chunk: every TP rank stores its share under its own."""
+        return [ChunkKey(self.fingerprint, r, chunk_hash) for r in range(self.tp_size)]
 
     def _memory_partial(self, st: RequestState, chunk: int, cap: int) -> tuple[int, bytes | None]:
         """The longest partial chunk at index ``chunk`` held in memory (blocks, key)."""
@@ -76,34 +87,59 @@ class PrefixReuse:
                 return k, h
         return 0, None
 
+    def _disk_partial(self, st: RequestState, chunk: int, cap: int) -> int:
+        """Blocks of the longest partial chunk at index ``chunk`` on disk."""
+        assert self.disk is not None
+        if st.load_limit is not None and chunk >= st.load_limit:
+            return 0
+        for k in range(self._partial_blocks(chunk, cap), 0, -1):
+            if self.disk.holds(self._keys(self._partial_hash(st, chunk, k))):
+                return k
+        return 0
+
     def _held(self, st: RequestState, cap: int) -> Held | None:
-        """Full chunks from memory then Redis, then a partial chunk. A partial chunk is asked
-        of Redis only with full chunks that memory lacked: a request whose full chunks are
-        all in memory never waits on the network for a few blocks. None while Redis is asked."""
+        """Full chunks from memory, then disk, then Redis, then a partial chunk. A partial
+        chunk is asked of the disk and Redis only with full chunks that memory lacked: a
+        request whose full chunks are all in memory never waits for a few blocks. None
+        while Redis is asked."""
         hashes = st.chunk_hashes(st.request.num_tokens, self.chunk_size)[:st.load_limit]
         n = len(hashes)
         in_memory = self.index.count_prefix(hashes)
         ready = next((i for i, h in enumerate(hashes[:in_memory]) if h in self.fetches),
                      in_memory)
-        full, k, ph = in_memory, 0, None
-        if self.lookups is not None and in_memory < n:
-            answer = self._ask_redis(st, hashes, in_memory, cap)
+        on_disk = in_redis = k = 0
+        ph, partial_source = None, "memory"
+        if self.disk is not None and in_memory < n:
+            on_disk = self.disk.count_prefix([self._keys(h) for h in hashes[in_memory:]])
+            if in_memory + on_disk == n:
+                k = self._disk_partial(st, n, cap)
+                ph, partial_source = (self._partial_hash(st, n, k), "disk") if k else (None,
+                                                                                       "memory")
+        if self.lookups is not None and in_memory + on_disk < n:
+            answer = self._ask_redis(st, hashes, in_memory + on_disk, cap)
             if answer is None:
                 return None
-            # Every chunk fetched from Redis lands in a slot of its own this step: a hit
-            # larger than the free slots would fail its last chunks and recompute them.
-            room = max(0, self.index.num_slots - self.index.pinned - in_memory)
-            full += min(answer[0], room)
-            if full == n and answer[1] and room > answer[0]:
-                k = answer[1]
-                ph = self._partial_hash(st, n, k)
+            in_redis = answer[0]
+            if in_memory + on_disk + in_redis == n and answer[1]:
+                k, ph, partial_source = answer[1], self._partial_hash(st, n, answer[1]), "redis"
+        # Every chunk fetched from a lower tier lands in a slot of its own this step: a hit
+        # larger than the free slots would fail its last chunks and recompute them.
+        room = max(0, self.index.num_slots - self.index.pinned - in_memory)
+        lower = min(on_disk + in_redis, room)
+        full = in_memory + lower
+        if full < n or (ph is not None and room <= lower):
+            k, ph = 0, None
+        sources = ["memory"] * in_memory + ["disk"] * min(on_disk, lower) + ["redis"] * max(
+            0, lower - on_disk)
         mk, mh = self._memory_partial(st, full, cap)
         if mk >= k and mh is not None:
-            k, ph = mk, mh
+            k, ph, partial_source = mk, mh, "memory"
+        if ph is not None:
+            sources.append(partial_source)
         from_memory = ready * self.chunk_size
         if full == ready and ph is not None and ph in self.index and ph not in self.fetches:
             from_memory += k * self.block_size
-        return Held(full, k, ph, from_memory)
+        return Held(full, k, ph, from_memory, tuple(sources))
 
     def _ask_redis(self, st: RequestState, hashes: list[bytes], start: int,
                    cap: int) -> tuple[int, int] | None:
@@ -133,19 +169,22 @@ class PrefixReuse:
         return answer
 
     def plan_loads(self, st: RequestState, hit: PrefixHit, block_ids: list[int],
-                   num_tokens: int) -> tuple[list[ChunkTransfer], int, int]:
+                   num_tokens: int) -> tuple[list[ChunkTransfer], dict[str, int]]:
         """The loads of the ``num_tokens`` vLLM accepted of ``hit``, and how many of those
-        tokens come from (memory, Redis)."""
+        tokens come from each tier."""
         start, end = hit.start, hit.start + num_tokens
         c, bs, req_id = self.chunk_size, self.block_size, st.request.request_id
         loads = []
         for ci in range(start // c, -(-end // c)):
             h = hit.partial[1] if hit.partial is not None and ci == hit.partial[0] \
                 else st.hashes[ci]
-            from_redis = h not in self.index
-            if not hit.load_async and (from_redis or h in self.fetches):
+            source = "memory"
+            if h not in self.index:
+                found = hit.sources[ci] if ci < len(hit.sources) else "memory"
+                source = found if found != "memory" else self.nearest_lower
+            if not hit.load_async and (source != "memory" or h in self.fetches):
                 slot = MISSING_SLOT  # evicted since the lookup: reported and recomputed
-            elif from_redis:  # promoted into memory: the worker fetches it into this slot
+            elif source != "memory":  # promoted into memory: the worker fetches it first
                 slot = self.index.allocate(h)
                 if slot is None:
                     slot = MISSING_SLOT
@@ -157,6 +196,5 @@ class PrefixReuse:
             first = ci * c // bs
             ids = [block_ids[first + j] if start <= (first + j) * bs < end else -1
                    for j in range(self.blocks_per_chunk)]
-            loads.append(ChunkTransfer(req_id, ci, h, slot, ids, from_redis))
-        by_tier = hit_tokens_by_tier(loads, bs)
-        return loads, by_tier.get("hit_tokens.memory", 0), by_tier.get("hit_tokens.redis", 0)
+            loads.append(ChunkTransfer(req_id, ci, h, slot, ids, source))
+        return loads, hit_tokens_by_tier(loads, bs)

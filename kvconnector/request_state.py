@@ -25,6 +25,9 @@ class PrefixHit:
     tokens: int
     load_async: bool
     partial: tuple[int, bytes] | None = None
+    # Per chunk index from the first: the tier that held it at the lookup ("memory",
+    # "disk", "redis"); the partial chunk is the last entry when there is one.
+    sources: tuple[str, ...] = ()
 
 
 @dataclass
@@ -40,7 +43,7 @@ class RequestState:
     partial_hashes: dict[tuple[int, int], bytes] = field(default_factory=dict)
     lookup: Asked[Any] | None = None  # the last Redis question about its prefix
     offer: PrefixHit | BlendHit | None = None  # until vLLM allocates its blocks
-    hit_split: tuple[int, int] | None = None  # (memory, Redis) tokens, for vLLM's hit sources
+    hit_split: dict[str, int] | None = None  # tokens by tier, for vLLM's hit sources
     blend: BlendRequest | None = None
 
     def chunk_hashes(self, num_tokens: int, chunk_size: int) -> list[bytes]:

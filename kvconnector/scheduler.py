@@ -25,6 +25,7 @@ from kvconnector.request_state import PENDING, RequestState
 from kvconnector.saves import SavePlanner
 from kvconnector.stats import TransferStats
 from kvconnector.store import MemoryIndex, open_redis
+from kvconnector.store.disk_catalog import DiskCatalog
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,14 +54,16 @@ class SchedulerHalf:
         self.redis = open_redis(config, for_lookups=True)
         self.lookups = (Lookups(self.redis, config.redis_lookup_budget_ms / 1000)
                         if self.redis is not None else None)
+        self.disk = DiskCatalog(config.disk_path) if config.disk_path else None
         self.fetches = Fetches(self.index)
         self.stats = TransferStats()
         self.prefix = PrefixReuse(config, self.block_size, self.fingerprint,
                                   vllm_config.parallel_config.tensor_parallel_size,
-                                  self.index, self.fetches, self.lookups)
+                                  self.index, self.fetches, self.lookups, self.disk)
         self.saves = SavePlanner(config, self.block_size, self.index)
         self.blend = (BlendScheduler(config, vllm_config, self.block_size, self.fingerprint,
-                                     self.index, self.fetches, self.lookups, self.stats)
+                                     self.index, self.fetches, self.lookups, self.stats,
+                                     self.disk)
                       if config.blending.enabled else None)
         self._requests: dict[str, RequestState] = {}
         self._loads: list[ChunkTransfer] = []
@@ -113,24 +116,28 @@ class SchedulerHalf:
         block_ids = blocks.get_block_ids()[0]
         if isinstance(hit, BlendHit):
             assert self.blend is not None
-            memory, redis = self.blend.plan(st, hit, block_ids, num_external_tokens)
+            by_tier = self.blend.plan(st, hit, block_ids, num_external_tokens)
         else:
-            loads, memory, redis = self.prefix.plan_loads(st, hit, block_ids,
-                                                          num_external_tokens)
+            loads, by_tier = self.prefix.plan_loads(st, hit, block_ids, num_external_tokens)
             (self._async_loads if hit.load_async else self._loads).extend(loads)
-        st.hit_split = (memory, redis)
-        by_tier = {"hit_tokens.memory": memory, "hit_tokens.redis": redis}
-        self.stats.add(hit_tokens=num_external_tokens, **{k: n for k, n in by_tier.items() if n})
+        st.hit_split = by_tier
+        self.stats.add(hit_tokens=num_external_tokens,
+                       **{f"hit_tokens.{tier}": n for tier, n in by_tier.items() if n})
 
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
-        """vLLM's per-tier count of a hit: host memory or Redis."""
+        """vLLM's per-tier count of a hit: host memory, disk or Redis."""
         st = self._requests.get(request.request_id)
         split = st.hit_split if st is not None else None
         if st is not None:
             st.hit_split = None
-        memory, redis = split if split is not None else (num_external_tokens, 0)
+        if split is None:
+            split = {"memory": num_external_tokens}
         labels = compat.hit_source_labels()
-        return {label: n for label, n in zip(labels, (memory, redis), strict=True) if n}
+        out: dict[Any, int] = {}
+        for tier, n in split.items():
+            if n:
+                out[labels[tier]] = out.get(labels[tier], 0) + n
+        return out
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
         plan = StepPlan(loads=self._loads, async_loads=self._async_loads,

@@ -20,9 +20,11 @@ from kvconnector.kernels.batched import PagedCopier, block_runs
 from kvconnector.layout import LayerLayout, LayoutError, describe_layers
 from kvconnector.ledger import Ledger
 from kvconnector.metadata import ChunkTransfer, StepPlan, WorkerReport
-from kvconnector.metrics import StoreTap
+from kvconnector.metrics import DiskTap, StoreTap
 from kvconnector.stats import TransferStats
-from kvconnector.store import ChunkCorrupt, SlotPool, open_redis
+from kvconnector.store import ChunkCorrupt, SlotPool, open_disk, open_redis
+from kvconnector.store.disk_space import disk_capacity
+from kvconnector.store.disk_tier import DiskTier
 from kvconnector.store.memory import host_memory
 from kvconnector.store.tiering import RedisTier
 from kvconnector.worker_store import WorkerStore
@@ -49,6 +51,8 @@ class WorkerHalf:
         self.tp_rank = compat.tp_rank()
         self.num_slots = config.memory_slots(compat.chunk_bytes(kv_cache_config, config))
         config.check_memory_available(*host_memory())
+        self.disk_capacity = (disk_capacity(config.disk_path, config.disk_capacity)
+                              if config.disk_path else 0)
         self.ledger = Ledger()
         self._redis_tap = StoreTap()
         self.layers: list[torch.Tensor] = []
@@ -57,6 +61,8 @@ class WorkerHalf:
         self.store: WorkerStore | None = None
         self._ratio = 1
         self.redis_tier: RedisTier | None = None
+        self.disk_tier: DiskTier | None = None
+        self._disk_tap = DiskTap()
         self._host_transfer: HostTransfer | None = None
         self._copier: PagedCopier | None = None
         self.copies = CopyThread()
@@ -86,6 +92,9 @@ class WorkerHalf:
         redis = open_redis(self.config)
         self.pool = SlotPool(self.num_slots, shape, self.layout.dtype,
                              checksums=redis is not None)
+        if self.config.disk_path:
+            self.disk_tier = open_disk(self.config, self.disk_capacity, self.pool,
+                                       self.layout.family)
         if redis is not None:
             self.redis_tier = RedisTier(redis, self.pool, self.layout.family,
                                         fingerprint=self.fingerprint_fields)
@@ -97,7 +106,8 @@ class WorkerHalf:
         else:
             self._copier = PagedCopier(self.layers, self.layout)
         stream = self._host_transfer.stream if self._host_transfer is not None else None
-        self.store = WorkerStore(self.pool, self.redis_tier, self.fingerprint, self.tp_rank,
+        tiers = [t for t in (self.disk_tier, self.redis_tier) if t is not None]
+        self.store = WorkerStore(self.pool, tiers, self.fingerprint, self.tp_rank,
                                  self.ledger, stream)
         if self.blend is not None:
             self.blend.attach(self.layers, self.layout, self.store)
@@ -133,8 +143,8 @@ class WorkerHalf:
     def _load_request(self, req_id: str, transfers: list[ChunkTransfer]) -> None:
         try:
             assert self.store is not None
-            self.store.fetch([(t.slot, t.chunk_hash) for t in transfers
-                              if t.from_redis and t.slot >= 0])
+            self.store.fetch([(t.slot, t.chunk_hash, t.source) for t in transfers
+                              if t.source != "memory" and t.slot >= 0])
             self._load_chunks(transfers, on_copy_thread=True)
         except Exception:  # blocks that may not have been written are recomputed
             logger.exception("kvconnector: loading request %s failed; its blocks will be "
@@ -295,6 +305,7 @@ class WorkerHalf:
         """Pending state; all zero between steps once every request has finished."""
         queued = self.redis_tier.queued if self.redis_tier is not None else 0
         out = {**self.ledger.outstanding(), "redis_puts_queued": queued,
+               "disk_puts_queued": self.disk_tier.queued if self.disk_tier is not None else 0,
                "copy_jobs": self.copies.pending}
         if self.blend is not None:
             out.update(self.blend.outstanding())
@@ -305,9 +316,14 @@ class WorkerHalf:
         deadline = time.monotonic() + SHUTDOWN_BUDGET_S
         if not self.copies.close(SHUTDOWN_BUDGET_S / 2):
             logger.warning("kvconnector: a copy job outlasted the shutdown budget")
-        if self.redis_tier is not None:
-            self.redis_tier.close(max(0.0, deadline - time.monotonic()))
+        for tier in (self.disk_tier, self.redis_tier):
+            if tier is not None:
+                tier.close(max(0.0, deadline - time.monotonic()))
 
     def take_stats(self) -> TransferStats | None:
         self.ledger.count(**self._redis_tap.counts(self.redis_tier))
+        if self.disk_tier is not None:
+            counts, gauges = self._disk_tap.counts(self.disk_tier)
+            self.ledger.count(**counts)
+            self.ledger.gauges(**gauges)
         return self.ledger.take_stats()

@@ -1,6 +1,6 @@
 """The worker half's chunks by hash: its pool slots, sealed under this worker's chunk keys,
-and the Redis tier behind them. The half and blend (``blend/worker.py``) both read, seal and
-fetch through it, so a fetch is timed and counted the same way for either."""
+and the tiers behind them (disk, Redis). The half and blend (``blend/worker.py``) both read,
+seal and fetch through it, so a fetch is timed and counted the same way for either."""
 
 from __future__ import annotations
 
@@ -12,19 +12,22 @@ import torch
 from kvconnector.keys import ChunkKey
 from kvconnector.ledger import Ledger
 from kvconnector.store import SlotPool
-from kvconnector.store.tiering import RedisTier
+from kvconnector.store.tiering import LowerTier
 
 
 class WorkerStore:
-    def __init__(self, pool: SlotPool, redis_tier: RedisTier | None, fingerprint: bytes,
+    def __init__(self, pool: SlotPool, tiers: Sequence[LowerTier], fingerprint: bytes,
                  tp_rank: int, ledger: Ledger,
                  copy_stream: torch.cuda.Stream | None = None) -> None:
         self.pool = pool
-        self.redis_tier = redis_tier
+        self.tiers = list(tiers)  # nearest first: disk, then Redis
         self.fingerprint = fingerprint
         self.tp_rank = tp_rank
         self.ledger = ledger
         self._copy_stream = copy_stream  # CUDA: the stream that copies slots to and from KV
+
+    def tier(self, name: str) -> LowerTier | None:
+        return next((t for t in self.tiers if t.name == name), None)
 
     def key(self, chunk_hash: bytes) -> ChunkKey:
         return ChunkKey(self.fingerprint, self.tp_rank, chunk_hash)
@@ -37,23 +40,41 @@ class WorkerStore:
         return self.pool.begin_write(slot)
 
     def seal(self, slot: int, chunk_hash: bytes) -> None:
-        """Mark the slot as holding ``chunk_hash`` and queue its copy to Redis."""
+        """Mark the slot as holding ``chunk_hash`` and queue its copies to the lower tiers."""
         key = self.key(chunk_hash)
         self.pool.end_write(slot, key)
-        if self.redis_tier is not None:
-            self.redis_tier.offload(slot, key)
+        for tier in self.tiers:
+            tier.offload(slot, key)
 
-    def fetch(self, wanted: Sequence[tuple[int, bytes]]) -> None:
-        """Fill each ``(slot, chunk hash)`` from Redis (copy thread). A chunk that does not
-        arrive leaves its slot unsealed, so reading it fails and its blocks are recomputed."""
-        if not wanted or self.redis_tier is None:
+    def fetch(self, wanted: Sequence[tuple[int, bytes, str]]) -> None:
+        """Fill each ``(slot, chunk hash, tier)`` from the tier the scheduler found it in,
+        or a farther one (copy thread). A chunk that does not arrive leaves its slot
+        unsealed, so reading it fails and its blocks are recomputed. A chunk fetched from
+        Redis is also written to the disk tier."""
+        if not wanted or not self.tiers:
             return
         if self._copy_stream is not None:
             # An earlier load may still be copying out of a slot the fetch refills.
             self._copy_stream.synchronize()
-        start = time.perf_counter()
-        n = self.redis_tier.fetch([(slot, self.key(h)) for slot, h in wanted])
-        elapsed = time.perf_counter() - start
-        self.ledger.count(redis_loaded_chunks=n, redis_misses=len(wanted) - n,
-                          load_seconds=elapsed)
-        self.ledger.observe(redis_fetch_seconds=elapsed)
+        names = [t.name for t in self.tiers]
+        todo = [(slot, h, names.index(src) if src in names else len(names))
+                for slot, h, src in wanted]
+        disk = self.tier("disk")
+        for i, tier in enumerate(self.tiers):
+            asked = [(slot, h) for slot, h, first in todo if first <= i]
+            if not asked:
+                continue
+            start = time.perf_counter()
+            got = tier.fetch([(slot, self.key(h)) for slot, h in asked])
+            elapsed = time.perf_counter() - start
+            n = sum(got)
+            self.ledger.count(**{f"{tier.name}_loaded_chunks": n,
+                                 f"{tier.name}_misses": len(asked) - n,
+                                 "load_seconds": elapsed})
+            self.ledger.observe(**{f"{tier.name}_fetch_seconds": elapsed})
+            arrived = {slot for (slot, _), ok in zip(asked, got, strict=True) if ok}
+            if tier.name == "redis" and disk is not None:
+                for slot, h in asked:
+                    if slot in arrived:
+                        disk.offload(slot, self.key(h))
+            todo = [t for t in todo if t[0] not in arrived]

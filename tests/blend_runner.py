@@ -16,7 +16,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.engine_runner import (  # noqa: E402
-    _flush_redis,
+    _flush_tiers,
     _scheduler_outstanding,
     _stress,
     _worker_outstanding,
@@ -169,7 +169,7 @@ def main(spec_path: str, out_path: str) -> None:
                             "workers": llm.collective_rpc(_worker_outstanding,
                                                           args=(step.get("drain", False),))})
         elif op == "flush":
-            results.append(llm.collective_rpc(_flush_redis))
+            results.append(llm.collective_rpc(_flush_tiers))
         elif op == "cached_by_source":
             results.append(cached_by_source(llm))
         elif op == "metrics":

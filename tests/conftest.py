@@ -114,14 +114,15 @@ def _stop_engine_host():
 
 
 def run_engine(tmp: Path, spec: dict, *, multiprocess: bool = False, timeout: int = 600,
-               runner: str = "engine_runner.py"):
+               runner: str = "engine_runner.py", fresh: bool = False):
     """Run tests/engine_runner.py (or another runner) and return its step results: in the
-    session's engine host where the run allows (in-process engines), else in a fresh
-    process."""
+    session's engine host where the run allows (in-process engines), else (or ``fresh``:
+    an engine alongside the host's) in a fresh process."""
     tmp.mkdir(parents=True, exist_ok=True)
     spec_path, out_path = tmp / "spec.json", tmp / "out.json"
     spec_path.write_text(json.dumps(spec))
-    hosted = (not multiprocess and runner in HOSTED_RUNNERS and spec.get("tp", 1) == 1
+    hosted = (not multiprocess and not fresh and runner in HOSTED_RUNNERS
+              and spec.get("tp", 1) == 1
               and os.environ.get("KVCONNECTOR_TEST_FRESH_PROCESS") != "1")
     if hosted:
         try:

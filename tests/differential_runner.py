@@ -19,7 +19,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.engine_runner import (  # noqa: E402
-    _flush_redis,
+    _flush_tiers,
     _run_to_completion,
     _scheduler_outstanding,
     _worker_outstanding,
@@ -56,7 +56,7 @@ def _drain(llm) -> dict:
     if scheduler.connector is None:
         return {}
     llm.collective_rpc(_worker_outstanding, args=(True,))  # the copies queue the puts
-    llm.collective_rpc(_flush_redis)
+    llm.collective_rpc(_flush_tiers)
     return {"scheduler": _scheduler_outstanding(llm),
             "workers": llm.collective_rpc(_worker_outstanding, args=(True,))}
 

@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -203,13 +204,51 @@ def _scheduler_outstanding(llm) -> dict:
     return llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler.outstanding()
 
 
-def _flush_redis(worker) -> bool:
+def _flush_tiers(worker) -> bool:
+    """Wait for the copies queued to the disk and Redis; whether Redis is configured."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    tier = get_kv_transfer_group().worker.redis_tier
-    if tier is not None:
-        tier.flush()
-    return tier is not None
+    half = get_kv_transfer_group().worker
+    half.copies.drain()  # the saves queued so far have sealed their slots
+    if half.disk_tier is not None:
+        half.disk_tier.flush()
+    if half.redis_tier is not None:
+        half.redis_tier.flush()
+    return half.redis_tier is not None
+
+
+def _disk_stats(worker) -> dict:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().worker.disk_tier.snapshot()
+
+
+def _disk_paths(llm, step: dict) -> list[list[str]]:
+    """The file of every full chunk of each prompt (TP rank 0), for tests that damage
+    them."""
+    from kvconnector.keys import ChunkKey, chunk_hashes, request_seed
+    from kvconnector.store.disk_files import chunk_path
+
+    half = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+    seed = request_seed(half.fingerprint, None)
+    return [[str(chunk_path(Path(half.config.disk_path), ChunkKey(half.fingerprint, 0, h)))
+             for h in chunk_hashes(p, half.config.chunk_size, seed)]
+            for p in step["prompts"]]
+
+
+_FSIZE = None
+
+
+def _file_size_limit(limit: int | None) -> bool:
+    """Limit the size of files this process writes (the kernel refuses larger ones with
+    EFBIG, as a full disk refuses them); None lifts it. Also lifted when the run ends."""
+    import resource
+
+    global _FSIZE
+    if _FSIZE is None:
+        _FSIZE = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, _FSIZE[1]) if limit else _FSIZE)
+    return True
 
 
 def _redis_stats(worker) -> dict:
@@ -303,6 +342,8 @@ def main(spec_path: str, out_path: str) -> None:
         _main(spec_path, out_path)
     finally:
         _GATE.set()  # a copy thread left waiting on the gate would block the exit
+        if _FSIZE is not None:
+            _file_size_limit(None)
         for server in _SERVERS.values():
             server.stop()
 
@@ -379,7 +420,19 @@ def _main(spec_path: str, out_path: str) -> None:
                             "workers": llm.collective_rpc(
                                 _worker_outstanding, args=(step.get("drain", False),))})
         elif op == "flush":
-            results.append(llm.collective_rpc(_flush_redis))
+            results.append(llm.collective_rpc(_flush_tiers))
+        elif op == "disk_stats":
+            results.append(llm.collective_rpc(_disk_stats)[0])
+        elif op == "disk_paths":
+            results.append(_disk_paths(llm, step))
+        elif op == "file_size_limit":
+            results.append(_file_size_limit(step["bytes"]))
+        elif op == "wait_for_files":
+            deadline = time.monotonic() + step.get("timeout_s", 120)
+            while (len(list(Path(step["dir"]).rglob("*.kvc"))) < step["count"]
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
+            results.append(len(list(Path(step["dir"]).rglob("*.kvc"))))
         elif op == "redis_stats":
             results.append(llm.collective_rpc(_redis_stats)[0])
         elif op == "redis_server":

@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.engine_runner import (  # noqa: E402
     _corrupt,
-    _flush_redis,
+    _flush_tiers,
     _foreign,
     _redis_keys,
     _redis_stats,
@@ -97,7 +97,7 @@ def main(spec_path: str, out_path: str) -> None:
         elif op == "redis_keys":  # the Redis keys of an earlier step's prompt
             results.append(_redis_keys(llm, {"prompts": [results[step["step"]]["prompt"]]}))
         elif op == "flush":
-            results.append(llm.collective_rpc(_flush_redis))
+            results.append(llm.collective_rpc(_flush_tiers))
         elif op == "redis_stats":
             results.append(llm.collective_rpc(_redis_stats)[0])
         elif op == "geometry":

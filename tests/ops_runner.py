@@ -17,7 +17,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.engine_runner import (  # noqa: E402
-    _flush_redis,
+    _flush_tiers,
     _redis_stats,
     _worker_totals,
     connector_config,
@@ -52,7 +52,7 @@ def main(spec_path: str, out_path: str) -> None:
                              "cached": o.num_cached_tokens})
             results.append(outs)
         elif op == "flush":
-            results.append(llm.collective_rpc(_flush_redis))
+            results.append(llm.collective_rpc(_flush_tiers))
         elif op == "totals":
             results.append(llm.collective_rpc(_worker_totals)[0])
         elif op == "redis_stats":

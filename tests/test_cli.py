@@ -69,9 +69,9 @@ def test_config_errors_name_the_key(capsys, tmp_path, monkeypatch):
         {"redis_url": "redis://h:1", "redis_password_env": "KVC_SET"}))
     assert rc == 0 and "KVC_SET (set in this environment)" in out and "secret-value" not in out
     lm = tmp_path / "bad.yaml"
-    lm.write_text("local_disk: file:///d/\nremote_serde: cachegen\n")
+    lm.write_text("use_layerwise: true\nremote_serde: cachegen\n")
     rc, _, err = run(capsys, "config", "{}", "--lmcache", str(lm))
-    assert rc == 2 and "local_disk" in err and "remote_serde" in err
+    assert rc == 2 and "use_layerwise" in err and "remote_serde" in err
 
 
 def test_usage_errors(capsys):

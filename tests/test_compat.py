@@ -48,6 +48,7 @@ def test_sleep_mode_is_refused_at_start_up(tiny_model):
         compat.check_sleep_mode(VllmConfig(model_config=model_config))
 
 
-def test_hits_are_labelled_host_memory_and_storage():
-    host, redis = compat.hit_source_labels()
-    assert (host.value, redis.value) == ("host", "disk")
+def test_hits_are_labelled_host_memory_disk_and_external():
+    labels = compat.hit_source_labels()
+    assert {tier: label.value for tier, label in labels.items()} == {
+        "memory": "host", "disk": "disk", "redis": "external_unspecified"}

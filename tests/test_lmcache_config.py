@@ -49,8 +49,8 @@ UNSUPPORTED_YAML = """\
 chunk_size: 256
 local_device: "cpu"
 local_cpu: False
-local_disk: "file:///local/disk_test/local_disk/"
-max_local_disk_size: 5
+local_disk: 5
+max_local_disk_size: -1
 remote_url: "lm://localhost:65432"
 remote_serde: "cachegen"
 use_layerwise: True
@@ -140,6 +140,19 @@ def test_lmcache_keys_in_extra_config_without_a_file():
                                            "skip_last_n_tokens": 2})
 
 
+def test_local_disk_maps_onto_the_disk_tier(tmp_path):
+    """LMCache's ``local_disk`` (a path or a file:// URL) and ``max_local_disk_size`` (GiB)
+    become disk_path and disk_capacity; a size of 0 (LMCache's default) leaves ours."""
+    d = tmp_path / "kv"
+    cfg = ConnectorConfig.from_extra_config({"lmcache.local_disk": f"file://{d}/",
+                                             "lmcache.max_local_disk_size": 2.5,
+                                             "lmcache.local_disk_path_sharding": "by_gpu"})
+    assert (cfg.disk_path, cfg.disk_capacity) == (f"{d}/", int(2.5 * GIB))
+    cfg = ConnectorConfig.from_extra_config({"lmcache.local_disk": str(d),
+                                             "lmcache.max_local_disk_size": 0})
+    assert (cfg.disk_path, cfg.disk_capacity) == (str(d), None)
+
+
 def test_environment_variables_override_the_file(tmp_path, monkeypatch):
     path = write(tmp_path, REDIS_YAML)
     monkeypatch.setenv("LMCACHE_CONFIG_FILE", path)
@@ -158,7 +171,8 @@ def test_everything_without_a_meaning_is_refused_by_name(tmp_path):
     path = write(tmp_path, UNSUPPORTED_YAML)
     found = refusals({"lmcache_config_file": path})
     expect = {"local_device": "not a key of LMCache", "local_cpu": "always keeps chunks in "
-              "host memory", "local_disk": "no disk tier", "max_local_disk_size": "no disk tier",
+              "host memory", "local_disk": "expected a directory path",
+              "max_local_disk_size": "expected a positive size in GB",
               "remote_url": "LMCache's own cache server", "remote_serde": "uncompressed",
               "use_layerwise": "all layers of a chunk"}
     assert len(found) == len(expect), found

@@ -68,9 +68,9 @@ def test_stats_empty_and_capped():
 
 def test_hit_tokens_by_tier_counts_only_blocks_loaded():
     loads = [ChunkTransfer("r", 0, b"a", 1, [-1, 7]), ChunkTransfer("r", 1, b"b", 2, [8, 9]),
-             ChunkTransfer("r", 2, b"c", 3, [10, 11], from_redis=True)]
-    assert hit_tokens_by_tier(loads, 128) == {"hit_tokens.memory": 384,
-                                             "hit_tokens.redis": 256}
+             ChunkTransfer("r", 2, b"c", 3, [10, 11], source="redis"),
+             ChunkTransfer("r", 3, b"d", 0, [12, -1], source="disk")]
+    assert hit_tokens_by_tier(loads, 128) == {"memory": 384, "redis": 256, "disk": 128}
 
 
 def test_prom_metrics_record_a_step(prom):

@@ -207,6 +207,6 @@ def test_partial_chunk_found_in_redis(half):
     assert len(redis.asked) == 1 and len(redis.asked[0]) == 3  # 1 full, 2 partial
     half.update_state_after_alloc(req, blocks_of(list(range(7))), 80)
     plan = half.build_meta(step_output({}, {}))
-    assert [(t.index, t.block_ids, t.from_redis) for t in plan.async_loads] == [
-        (0, [0, 1, 2, 3], True), (1, [4, -1, -1, -1], True)]
+    assert [(t.index, t.block_ids, t.source) for t in plan.async_loads] == [
+        (0, [0, 1, 2, 3], "redis"), (1, [4, -1, -1, -1], "redis")]
     half.prefix.lookups.shutdown()

@@ -45,7 +45,7 @@ def test_second_engine_serves_first_engines_chunks(tiny_model, tmp_path_factory,
             {"op": "generate", "prompts": [P1]}, {"op": "totals"},
             {"op": "cached_by_source"}]})
     out, totals = second[0][0], second[1]
-    assert second[2] == {"disk": P1_HIT}  # vLLM's label for a storage tier
+    assert second[2] == {"external_unspecified": P1_HIT}  # vLLM's label for a remote store
     assert out["cached"] == P1_HIT  # the partial chunk is in Redis too
     assert totals["redis_loaded_chunks"] == 3 and totals["load_errors"] == 0
     assert first[0][0]["tokens"] == baseline[0]

@@ -49,16 +49,18 @@ def test_ledger_reports_once_and_then_is_empty():
 
 
 class FakeTier:
-    def __init__(self, pool: SlotPool, arrive: set[int]) -> None:
-        self.pool, self.arrive = pool, arrive
+    def __init__(self, pool: SlotPool, arrive: set[int], name: str = "redis") -> None:
+        self.pool, self.arrive, self.name = pool, arrive, name
         self.offloaded: list[int] = []
+        self.asked: list[int] = []
 
     def fetch(self, wanted):
         for slot, key in wanted:
+            self.asked.append(slot)
             self.pool.begin_write(slot)
             if slot in self.arrive:
                 self.pool.end_write(slot, key, for_redis=False)
-        return sum(slot in self.arrive for slot, _ in wanted)
+        return [slot in self.arrive for slot, _ in wanted]
 
     def offload(self, slot, key):
         self.offloaded.append(slot)
@@ -75,8 +77,8 @@ class FakeStream:
 def test_store_fetch_counts_and_waits_for_the_copy_stream():
     pool = SlotPool(4, (2, 8), torch.float32)
     ledger, stream = Ledger(), FakeStream()
-    store = WorkerStore(pool, FakeTier(pool, {1}), b"f" * 16, 0, ledger, stream)
-    store.fetch([(1, h(1)), (2, h(2))])
+    store = WorkerStore(pool, [FakeTier(pool, {1})], b"f" * 16, 0, ledger, stream)
+    store.fetch([(1, h(1), "redis"), (2, h(2), "redis")])
     assert stream.synced == 1
     store.read(1, h(1))
     with pytest.raises(ChunkCorrupt):
@@ -92,11 +94,29 @@ def test_store_fetch_counts_and_waits_for_the_copy_stream():
 def test_store_seal_keys_the_slot_and_offloads_it():
     pool = SlotPool(2, (2, 8), torch.float32)
     tier = FakeTier(pool, set())
-    store = WorkerStore(pool, tier, b"f" * 16, 1, Ledger())
+    store = WorkerStore(pool, [tier], b"f" * 16, 1, Ledger())
     store.begin_write(0).fill_(1.0)
     store.seal(0, h(5))
     assert pool.slot_holding(store.key(h(5))) == 0 and tier.offloaded == [0]
-    assert WorkerStore(pool, None, b"f" * 16, 1, Ledger()).read(0, h(5)).sum() == 16
+    assert WorkerStore(pool, [], b"f" * 16, 1, Ledger()).read(0, h(5)).sum() == 16
+
+
+def test_store_fetch_asks_the_disk_then_redis_and_writes_redis_chunks_to_disk():
+    """A chunk the scheduler found on disk is asked of the disk, then of Redis if the disk
+    fails it; one found in Redis only is never asked of the disk, and once it arrives it is
+    written to the disk."""
+    pool = SlotPool(4, (2, 8), torch.float32)
+    ledger = Ledger()
+    disk, redis = FakeTier(pool, {0}, "disk"), FakeTier(pool, {1, 2}, "redis")
+    store = WorkerStore(pool, [disk, redis], b"f" * 16, 0, ledger)
+    store.fetch([(0, h(0), "disk"), (1, h(1), "disk"), (2, h(2), "redis"), (3, h(3), "redis")])
+    assert disk.asked == [0, 1] and redis.asked == [1, 2, 3]
+    assert sorted(disk.offloaded) == [1, 2] and redis.offloaded == []
+    for slot in (0, 1, 2):
+        store.read(slot, h(slot))
+    data = ledger.take_stats().data
+    assert (data["disk_loaded_chunks"], data["disk_misses"]) == (1, 1)
+    assert (data["redis_loaded_chunks"], data["redis_misses"]) == (2, 1)
 
 
 def test_blend_worker_is_a_plug_in_of_the_worker_half():

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 class PieceLoad:
     chunk_hash: bytes
     slot: int
-    from_redis: bool = False  # fetched into the slot from Redis first
+    source: str = "memory"  # or the tier it is fetched from into the slot first
 
 
 @dataclass

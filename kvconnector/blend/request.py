@@ -27,7 +27,7 @@ class BlendRequest:
 @dataclass(frozen=True)
 class BlendHit:
     """Tokens ``[start, end)`` offered to vLLM as a hit, from the stored documents ``found``
-    (document index -> "memory" | "redis")."""
+    (document index -> the tier holding it: "memory", "disk" or "redis")."""
 
     start: int
     end: int

@@ -30,6 +30,7 @@ from kvconnector.keys import ChunkKey
 from kvconnector.lookups import Lookups
 from kvconnector.request_state import PENDING, RequestState
 from kvconnector.stats import TransferStats
+from kvconnector.store.disk_catalog import DiskCatalog
 from kvconnector.store.memory import MemoryIndex
 from kvconnector.store.redis_store import RedisStore
 
@@ -47,7 +48,8 @@ BLENDED = "blended (approximate KV, never reused as a prefix)"
 class BlendScheduler:
     def __init__(self, config: ConnectorConfig, vllm_config: VllmConfig, block_size: int,
                  fingerprint: bytes, index: MemoryIndex, fetches: Fetches,
-                 lookups: Lookups | None, stats: TransferStats) -> None:
+                 lookups: Lookups | None, stats: TransferStats,
+                 disk: DiskCatalog | None = None) -> None:
         self.config = config.blending
         self.chunk_size = config.chunk_size
         self.block_size = block_size
@@ -55,6 +57,7 @@ class BlendScheduler:
         self.index = index
         self.fetches = fetches
         self.lookups = lookups
+        self.disk = disk
         self.stats = stats
         reason = compat.blend_unsupported_reason(vllm_config)
         if reason is not None:
@@ -84,7 +87,8 @@ class BlendScheduler:
         return st.blend
 
     def match(self, st: RequestState, num_computed: int) -> BlendHit | str | None:
-        """The blended range beyond vLLM's hit, PENDING while Redis is asked, or None when
+        """The blended range beyond vLLM's hit (documents from memory, disk, then Redis),
+        PENDING while Redis is asked, or None when
         the request is not blended (prefix reuse serves it as usual)."""
         br = self._state(st)
         req = st.request
@@ -98,6 +102,12 @@ class BlendScheduler:
         found = {i: "memory" for i in in_range
                  if all(h in self.index for h in br.docs[i].pieces)}
         missing = [i for i in in_range if i not in found]
+        if missing and self.disk is not None:
+            on_disk = [i for i in missing if self.disk.count_prefix(
+                [[ChunkKey(self.fingerprint, 0, h)] for h in br.docs[i].pieces])
+                == len(br.docs[i].pieces)]
+            found.update(dict.fromkeys(on_disk, "disk"))
+            missing = [i for i in missing if i not in found]
         if missing and self.lookups is not None:
             in_redis = self._ask_redis(br, missing)
             if in_redis is None:
@@ -119,7 +129,7 @@ class BlendScheduler:
         if not br.salted:  # vLLM caches the blocks when it allocates them, before planning
             compat.mark_approximate(req, num_computed, bs, br.config.salt())
             br.salted = True
-        return BlendHit(num_computed, end, found, "redis" in found.values())
+        return BlendHit(num_computed, end, found, any(t != "memory" for t in found.values()))
 
     def _ask_redis(self, br: BlendRequest, docs: list[int]) -> set[int] | None:
         """Documents (of ``docs``) whose every piece is in Redis; None while asking."""
@@ -133,9 +143,9 @@ class BlendScheduler:
         return answer
 
     def plan(self, st: RequestState, hit: BlendHit, block_ids: list[int],
-             num_tokens: int) -> tuple[int, int]:
+             num_tokens: int) -> dict[str, int]:
         """Plan the blend of the ``num_tokens`` vLLM accepted of ``hit``; how many of them
-        come from (memory, Redis)."""
+        come from each tier."""
         br = self._state(st)
         request = st.request
         end = hit.start + num_tokens
@@ -152,7 +162,9 @@ class BlendScheduler:
                     break
                 self.index.use(h)
                 promoted.append(h)
-                pieces.append(PieceLoad(h, slot, from_redis=True))
+                source = hit.found[i] if hit.found[i] != "memory" else (
+                    "disk" if self.disk is not None else "redis")
+                pieces.append(PieceLoad(h, slot, source))
             else:
                 docs.append(DocLoad(doc.doc_hash, doc.start, doc.length, pieces))
                 br.handled.add(i)
@@ -171,10 +183,16 @@ class BlendScheduler:
         br.blended = True
         st.skip_reason = BLENDED
         cap = piece_capacity(self.chunk_size)
-        redis = sum(min(cap, d.length - j * cap) for d in docs
-                    for j, p in enumerate(d.pieces) if p.from_redis)
-        redis = min(redis, num_tokens)
-        return num_tokens - redis, redis
+        by_tier: dict[str, int] = {}
+        for d in docs:
+            for j, p in enumerate(d.pieces):
+                if p.source != "memory":
+                    by_tier[p.source] = by_tier.get(p.source, 0) + min(cap, d.length - j * cap)
+        lower = sum(by_tier.values())
+        if lower > num_tokens:  # pieces overlap what vLLM had: count no more than the hit
+            by_tier = {t: n * num_tokens // lower for t, n in by_tier.items()}
+        by_tier["memory"] = num_tokens - sum(by_tier.values())
+        return by_tier
 
     def build(self, plan: StepPlan, scheduler_output: SchedulerOutput,
               states: dict[str, RequestState]) -> None:

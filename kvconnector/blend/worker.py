@@ -2,7 +2,7 @@
 
 A blend whose documents are all in memory runs on the main thread in ``start_load_kv``,
 before the forward pass of the step that first schedules the request (vLLM was told the
-range is a synchronous load). One that needs Redis parks the request in vLLM's
+range is a synchronous load). One that needs the disk or Redis parks the request in vLLM's
 ``WAITING_FOR_REMOTE_KVS``: the copy thread fetches the pieces into their slots, and the
 blend itself runs on the main thread at the end of a later step (``run_ready``, from
 ``get_finished``), never alongside a forward pass; only then is the request reported
@@ -14,8 +14,8 @@ as load errors, so vLLM recomputes it.
 
 ``BlendWorker`` is a plug-in of the worker half: it is handed the half's copy thread and
 ledger (counters, load errors, report, received requests) and, once vLLM registers its KV
-tensors, the tensors and the half's store (pool slots and Redis tier), rather than keeping
-copies of them.
+tensors, the tensors and the half's store (pool slots and the tiers behind them), rather
+than keeping copies of them.
 """
 
 from __future__ import annotations
@@ -128,11 +128,12 @@ class BlendWorker:
             self.copies.submit(lambda j=job: self._fetch(j), [job.req_id], job.slots)
 
     def _fetch(self, job: BlendJob) -> None:
-        """Copy thread: Redis pieces into their slots; the blend waits for the main thread."""
+        """Copy thread: pieces from disk or Redis into their slots; the blend waits for the
+        main thread."""
         try:
             assert self.store is not None
-            self.store.fetch([(p.slot, p.chunk_hash)
-                              for d in job.docs for p in d.pieces if p.from_redis])
+            self.store.fetch([(p.slot, p.chunk_hash, p.source)
+                              for d in job.docs for p in d.pieces if p.source != "memory"])
         except Exception:  # a failed fetch leaves slots unsealed: those documents recompute
             logger.exception("kvconnector: fetching blend pieces for %s failed", job.req_id)
         finally:

@@ -99,12 +99,14 @@ def mark_approximate(request: Request, first_token: int, block_size: int, salt: 
                                                     digest_size=32).digest())
 
 
-def hit_source_labels() -> tuple[Any, Any]:
-    """vLLM's labels for hits from (host memory, Redis). vLLM has no label for a remote
-    store; it reports its own object-store tier as DISK, a storage tier behind memory."""
+def hit_source_labels() -> dict[str, Any]:
+    """vLLM's labels for hits from each tier. vLLM has no label for a remote store: Redis
+    is its "external" source (``EXTERNAL_UNSPECIFIED``: "uninstrumented connector or
+    remote store")."""
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-    return CacheHitSource.HOST, CacheHitSource.DISK
+    return {"memory": CacheHitSource.HOST, "disk": CacheHitSource.DISK,
+            "redis": CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
 def is_cpu_platform() -> bool:

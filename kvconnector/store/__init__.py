@@ -1,7 +1,8 @@
 """Where chunks live. The memory tier is split across the two vLLM processes:
 ``MemoryIndex`` (scheduler) decides which chunk sits in which slot and what to evict;
-``SlotPool`` (each worker) holds the bytes and checks them on every read. Redis, when
-configured, sits behind the memory tier and is shared by every engine that points at it."""
+``SlotPool`` (each worker) holds the bytes and checks them on every read. Behind it, when
+configured: a directory on local disk (``disk_*.py``), shared by the engines of one host
+and kept across restarts, then Redis, shared by every engine that points at it."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvconnector.config import ConnectorConfig
+    from kvconnector.store.disk_tier import DiskTier
     from kvconnector.store.memory import ChunkCorrupt, MemoryIndex, SlotPool
     from kvconnector.store.redis_store import RedisStore
 
-__all__ = ["ChunkCorrupt", "MemoryIndex", "SlotPool", "open_redis"]
+__all__ = ["ChunkCorrupt", "MemoryIndex", "SlotPool", "open_disk", "open_redis"]
 
 logger = logging.getLogger("kvconnector.store")
 
@@ -53,3 +55,16 @@ def open_redis(config: ConnectorConfig, *, for_lookups: bool = False) -> RedisSt
         kw["mac_key"] = codec.mac_key(secret)
     return RedisStore.from_url(config.redis_url, key_prefix=config.redis_key_prefix,
                                ttl_s=config.redis_ttl_s, **kw)
+
+
+def open_disk(config: ConnectorConfig, capacity: int, pool: SlotPool,
+              layout_name: str) -> DiskTier:
+    """This worker's disk tier (``config.disk_path``, checked at start-up)."""
+    from kvconnector.store import codec
+    from kvconnector.store.disk_tier import DiskTier
+
+    secret = config.secret("chunk_mac_key")
+    assert config.disk_path is not None
+    return DiskTier(config.disk_path, capacity, pool, layout_name,
+                    mac_key=codec.mac_key(secret) if secret is not None else None,
+                    direct_io=config.disk_direct_io, write_threads=config.disk_write_threads)

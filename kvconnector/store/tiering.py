@@ -1,6 +1,7 @@
-"""Worker side of memory -> Redis tiering: Redis chunks are fetched straight into pool slots
-before a step's loads; sealed slots are copied to Redis by a background thread, off the
-request's critical path."""
+"""The tiers behind the memory tier, seen from a worker: each fetches chunks straight into
+pool slots (before the loads that read them) and takes copies of sealed slots on background
+threads, off the request's critical path. The disk tier (store/disk_tier.py) and Redis
+(``RedisTier``) are the two; ``WorkerStore`` asks them in that order."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from kvconnector.keys import ChunkKey, Fingerprint
 from kvconnector.store import descriptor
@@ -24,59 +25,152 @@ logger = logging.getLogger("kvconnector.store.tiering")
 MAX_QUEUED_PUTS = 256
 
 
+def expected_chunk(pool: SlotPool, layout_name: str, key: ChunkKey) -> ExpectedChunk:
+    """What a stored copy of ``key`` must say about itself to be read into ``pool``."""
+    return ExpectedChunk(str(key), layout_name, str(pool.buffer.dtype).removeprefix("torch."),
+                         pool.chunk_shape, pool.chunk_bytes)
+
+
+class LowerTier(Protocol):
+    name: str  # "disk" | "redis": the tier's label in counters and metrics
+
+    def fetch(self, wanted: Sequence[tuple[int, ChunkKey]]) -> list[bool]:
+        """Fill and seal each ``(slot, key)``; which arrived intact. A slot that did not
+        stays unsealed, so a load of it reports an error."""
+        ...
+
+    def offload(self, slot: int, key: ChunkKey) -> None:
+        """Queue a copy of a sealed slot; never waits."""
+        ...
+
+    @property
+    def queued(self) -> int: ...
+
+    def flush(self) -> None: ...
+
+    def close(self, timeout_s: float) -> None: ...
+
+
+class PutQueue:
+    """Sealed slots waiting for their copy to a tier, taken by ``threads`` background
+    threads. A full queue drops the copy (a later miss), as does a stopping engine.
+    ``first`` runs on one thread before any copy (the disk tier's scan)."""
+
+    def __init__(self, name: str, put: Callable[[int, ChunkKey], None], threads: int = 1,
+                 first: Callable[[], None] | None = None,
+                 max_queued: int = MAX_QUEUED_PUTS) -> None:
+        self.name = name
+        self.dropped = 0
+        self._put = put
+        self._queue: queue.Queue[tuple[int, ChunkKey] | None] = queue.Queue(max_queued)
+        self._ready = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(first if i == 0 else None,),
+                                          name=f"kvconnector-{name}-put", daemon=True)
+                         for i in range(threads)]
+        if first is None:
+            self._ready.set()
+        for t in self._threads:
+            t.start()
+
+    def offload(self, slot: int, key: ChunkKey) -> None:
+        try:
+            self._queue.put_nowait((slot, key))
+        except queue.Full:
+            self.dropped += 1
+
+    def _loop(self, first: Callable[[], None] | None) -> None:
+        if first is not None:
+            try:
+                first()
+            except Exception:
+                logger.exception("kvconnector: preparing the %s tier failed", self.name)
+            finally:
+                self._ready.set()
+        self._ready.wait()
+        while (item := self._queue.get()) is not None:
+            try:
+                self._put(*item)
+            except Exception:  # the thread must outlive any single bad put
+                logger.exception("kvconnector: %s put failed", self.name)
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    @property
+    def queued(self) -> int:
+        return self._queue.unfinished_tasks
+
+    def flush(self) -> None:
+        """Wait until every queued copy has been made (or failed)."""
+        self._ready.wait()
+        self._queue.join()
+
+    def close(self, timeout_s: float) -> bool:
+        """Make what can be made within ``timeout_s``, drop the rest (the engine is
+        stopping: vLLM kills an engine that outstays its shutdown window). True if every
+        thread has stopped."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        dropped = 0
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            self._queue.task_done()
+            if item is not None:
+                dropped += 1
+        if dropped:
+            self.dropped += dropped
+            logger.info("kvconnector: engine stopping, %d chunks not copied to %s", dropped,
+                        self.name)
+        for _ in self._threads:
+            try:
+                self._queue.put_nowait(None)
+            except queue.Full:
+                break
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
+
+
 class RedisTier:
+    name = "redis"
+
     def __init__(self, redis: RedisStore, pool: SlotPool, layout_name: str,
                  fingerprint: Fingerprint | None = None) -> None:
         self.redis = redis
         self.pool = pool
         self.layout_name = layout_name
-        self.dropped_puts = 0
         # The descriptor (store/descriptor.py) goes out with a put, at least every refresh.
         self._fingerprint = fingerprint
         self._descriptor_due = 0.0
         self._backoffs_seen = 0
         self._descriptor_every = min(descriptor.REFRESH_S, (redis.ttl_s or float("inf")) / 2)
-        self._queue: queue.Queue[tuple[int, ChunkKey] | None] = queue.Queue(MAX_QUEUED_PUTS)
-        self._thread = threading.Thread(target=self._put_loop, name="kvconnector-redis-put",
-                                        daemon=True)
-        self._thread.start()
+        self._puts = PutQueue("redis", self._put)
 
     def expected(self, key: ChunkKey) -> ExpectedChunk:
-        return ExpectedChunk(str(key), self.layout_name,
-                             str(self.pool.buffer.dtype).removeprefix("torch."),
-                             self.pool.chunk_shape, self.pool.chunk_bytes)
+        return expected_chunk(self.pool, self.layout_name, key)
 
-    def fetch(self, wanted: Sequence[tuple[int, ChunkKey]]) -> int:
-        """Fill and seal each ``(slot, key)`` from Redis in one pipeline; returns how many
-        arrived intact. A slot that did not stays unsealed, so its load reports an error."""
+    def fetch(self, wanted: Sequence[tuple[int, ChunkKey]]) -> list[bool]:
+        """Fill and seal each ``(slot, key)`` from Redis in one pipeline."""
         for slot, _ in wanted:
             self.pool.begin_write(slot)
         keys = [k for _, k in wanted]
         got = self.redis.get_many(keys, [self.expected(k) for k in keys],
                                   out=[self.pool.slot_bytes(s) for s, _ in wanted])
-        n = 0
         for (slot, key), payload in zip(wanted, got, strict=True):
             if payload is not None:  # checked by the codec (checksum or MAC) before this
                 self.pool.end_write(slot, key, for_redis=False)  # Redis holds it
-                n += 1
-        return n
+        return [p is not None for p in got]
 
     def offload(self, slot: int, key: ChunkKey) -> None:
-        """Queue a sealed slot for Redis; a full queue drops the put (a later miss)."""
-        try:
-            self._queue.put_nowait((slot, key))
-        except queue.Full:
-            self.dropped_puts += 1
+        self._puts.offload(slot, key)
 
-    def _put_loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            try:
-                self._put(*item)
-            except Exception:  # the thread must outlive any single bad put
-                logger.exception("kvconnector: Redis put failed")
-            finally:
-                self._queue.task_done()
-        self._queue.task_done()
+    @property
+    def dropped_puts(self) -> int:
+        return self._puts.dropped
 
     def _put(self, slot: int, key: ChunkKey) -> None:
         header = self.pool.lease(slot, key)
@@ -104,29 +198,11 @@ class RedisTier:
 
     @property
     def queued(self) -> int:
-        return self._queue.unfinished_tasks
+        return self._puts.queued
 
     def flush(self) -> None:
-        """Wait until every queued put has been sent (or failed)."""
-        self._queue.join()
+        self._puts.flush()
 
     def close(self, timeout_s: float) -> None:
-        """Send what can be sent within ``timeout_s``, drop the rest (the engine is
-        stopping: vLLM kills an engine that outstays its shutdown window)."""
-        deadline = time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.01)
-        dropped = 0
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-            self._queue.task_done()
-            dropped += 1
-        if dropped:
-            self.dropped_puts += dropped
-            logger.info("kvconnector: engine stopping, %d chunks not sent to Redis", dropped)
-        self._queue.put(None)
-        self._thread.join(max(0.0, deadline - time.monotonic()))
+        self._puts.close(timeout_s)
         self.redis.close()

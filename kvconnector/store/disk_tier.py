@@ -1,0 +1,189 @@
+"""The disk tier, seen from a worker: chunk files read straight into pool slots, and sealed
+slots written to files by background threads (never by the forward pass).
+
+Files and their checks are ``disk_files.py``; the directory's capacity and eviction
+``disk_space.py``. A file that fails a check is a miss and is deleted. A full file system
+(no space, a quota, a file size limit, a read-only mount) pauses writes with one warning
+and retries after a backoff that doubles up to ``MAX_PAUSE_S``; reads go on meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvconnector.keys import ChunkKey
+from kvconnector.store.codec import REASONS, ExpectedChunk, checksum
+from kvconnector.store.disk_files import FULL_ERRNOS, DiskFiles, file_size
+from kvconnector.store.disk_space import DiskSpace
+from kvconnector.store.memory import SlotPool
+from kvconnector.store.tiering import PutQueue, expected_chunk
+
+logger = logging.getLogger("kvconnector.store.disk")
+
+FIRST_PAUSE_S = 1.0
+MAX_PAUSE_S = 60.0
+
+
+@dataclass
+class DiskCounters:
+    """Running totals since start-up (``metrics.DiskTap`` turns them into increments)."""
+
+    hits: int = 0
+    misses: int = 0
+    get_bytes: int = 0
+    puts: int = 0
+    put_bytes: int = 0
+    put_exists: int = 0  # the file was there already (another engine wrote it)
+    put_no_room: int = 0  # nothing could be evicted to make room
+    io_errors: int = 0
+    full: int = 0  # writes refused for want of space
+    corrupt: dict[str, int] = field(default_factory=dict)
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, root: str | Path, capacity: int, pool: SlotPool, layout_name: str, *,
+                 mac_key: bytes | None = None, direct_io: bool = False,
+                 write_threads: int = 1) -> None:
+        self.files = DiskFiles(root, mac_key=mac_key, direct_io=direct_io)
+        self.space = DiskSpace(root, capacity)
+        self.pool = pool
+        self.layout_name = layout_name
+        self.counters = DiskCounters()
+        self._lock = threading.Lock()
+        self._paused_until = 0.0
+        self._pause_s = FIRST_PAUSE_S
+        self.scan_result = None
+        self._puts = PutQueue("disk", self._put, threads=write_threads, first=self._scan)
+
+    def expected(self, key: ChunkKey) -> ExpectedChunk:
+        return expected_chunk(self.pool, self.layout_name, key)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                setattr(self.counters, k, getattr(self.counters, k) + v)
+
+    def _scan(self) -> None:
+        self.scan_result = self.space.scan()
+        r = self.scan_result
+        logger.info("kvconnector disk %s: %d chunk files, %.1f GiB of %.1f GiB (scanned in "
+                    "%.2f s; %d stale temporary files deleted)", self.files.root, r.files,
+                    r.bytes / 2**30, self.space.capacity / 2**30, r.seconds, r.stale_temps)
+
+    # ---- reads (the copy thread) ----
+    def fetch(self, wanted: Sequence[tuple[int, ChunkKey]]) -> list[bool]:
+        out = []
+        for slot, key in wanted:
+            expected = self.expected(key)
+            self.pool.begin_write(slot)
+            res = self.files.read_into(key, expected, self.pool.slot_bytes(slot))
+            if res.ok:
+                self.pool.end_write(slot, key, for_redis=False)  # on disk already
+                self.space.touch(self.files.path(key), file_size(expected.nbytes))
+                self._count(hits=1, get_bytes=expected.nbytes)
+            elif res.reason in REASONS:
+                removed = self.space.remove(self.files.path(key), res.inode)
+                logger.warning("kvconnector disk: chunk file %s is corrupt (%s)%s; its "
+                               "blocks will be recomputed", self.files.path(key), res.reason,
+                               ", deleted" if removed else "")
+                with self._lock:
+                    c = self.counters.corrupt
+                    c[res.reason] = c.get(res.reason, 0) + 1
+                    self.counters.misses += 1
+            else:
+                self._count(misses=1, io_errors=int(res.reason == "io"))
+            out.append(res.ok)
+        return out
+
+    # ---- writes (background threads) ----
+    def offload(self, slot: int, key: ChunkKey) -> None:
+        self._puts.offload(slot, key)
+
+    @property
+    def dropped_puts(self) -> int:
+        return self._puts.dropped
+
+    def _put(self, slot: int, key: ChunkKey) -> None:
+        if time.monotonic() < self._paused_until:
+            self._puts.dropped += 1
+            return
+        header = self.pool.lease(slot, key)
+        if header is None:
+            return  # the slot was reused before its turn came
+        try:
+            self._write(key, self.pool.slot_bytes(slot), header.checksum)
+        finally:
+            self.pool.end_lease(slot)
+
+    def _write(self, key: ChunkKey, payload: memoryview, xxh3: int | None) -> None:
+        expected = self.expected(key)
+        final = self.files.path(key)
+        size = file_size(expected.nbytes)
+        try:
+            head = self.files.head(expected, payload,
+                                   xxh3 if xxh3 is not None else checksum(payload))
+            reserved = self.space.reserve(final, size)
+        except OSError as e:
+            self._write_failed(final, e)
+            return
+        if reserved is None:
+            exists = final.exists()
+            self._count(put_exists=int(exists), put_no_room=int(not exists))
+            return
+        fd, temp = reserved
+        try:
+            try:
+                self.files.write(fd, head, payload)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            self.space.abandon(temp, size)
+            self._write_failed(final, e)
+            return
+        if self.space.commit(temp, final, size):
+            self._count(puts=1, put_bytes=expected.nbytes)
+        else:
+            self._count(put_exists=1)
+        if self._pause_s != FIRST_PAUSE_S:
+            logger.info("kvconnector disk %s: writes resumed", self.files.root)
+            self._pause_s = FIRST_PAUSE_S
+
+    def _write_failed(self, final: Path, e: OSError) -> None:
+        if e.errno in FULL_ERRNOS:
+            if self._pause_s == FIRST_PAUSE_S:
+                logger.warning("kvconnector disk %s: cannot write chunk files (%s); writes "
+                               "pause and are retried, reads go on", self.files.root,
+                               e.strerror)
+            self._paused_until = time.monotonic() + self._pause_s
+            self._pause_s = min(MAX_PAUSE_S, self._pause_s * 2)
+            self._count(full=1)
+        else:
+            logger.warning("kvconnector disk: writing %s failed: %s", final, e)
+            self._count(io_errors=1)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            c = self.counters
+            return {**{k: v for k, v in vars(c).items() if k != "corrupt"},
+                    "corrupt": dict(c.corrupt), "evictions": self.space.evictions,
+                    "dropped_puts": self._puts.dropped, "queued": self._puts.queued,
+                    "files": len(self.space)}
+
+    @property
+    def queued(self) -> int:
+        return self._puts.queued
+
+    def flush(self) -> None:
+        self._puts.flush()
+
+    def close(self, timeout_s: float) -> None:
+        if self._puts.close(timeout_s):
+            self.space.close()  # else a writer still holds it: the process's exit closes it

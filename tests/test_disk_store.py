@@ -1,0 +1,352 @@
+"""The disk tier on a real file system: files written off the caller's thread and read back
+into slots, every kind of damaged file a miss that is deleted, the capacity bound across
+processes, the index found again after a restart, a full file system, a killed writer."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvconnector.keys import ChunkKey
+from kvconnector.store import codec
+from kvconnector.store.disk_catalog import DiskCatalog
+from kvconnector.store.disk_files import HEAD_BYTES, chunk_path, file_size
+from kvconnector.store.disk_space import STALE_TEMP_S, USAGE_FILE, DiskSpace, read_usage
+from kvconnector.store.disk_tier import DiskTier
+from kvconnector.store.memory import ChunkCorrupt, SlotPool
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = (2, 64, 8)  # 1024 fp32 elements: 4 KiB a chunk
+CHUNK_BYTES = 4096
+FILE = file_size(CHUNK_BYTES)
+FP = bytes(range(16))
+
+
+def key(i: int, rank: int = 0) -> ChunkKey:
+    return ChunkKey(FP, rank, i.to_bytes(16, "big"))
+
+
+def fill(pool: SlotPool, slot: int, k: ChunkKey, value: float) -> None:
+    pool.begin_write(slot).copy_(torch.arange(pool.buffer[0].numel()).view(SHAPE) + value)
+    pool.end_write(slot, k)
+
+
+def stored(tier: DiskTier, pool: SlotPool, values: dict[int, float]) -> None:
+    """Write chunk i with ``values[i]`` through the tier, one slot at a time."""
+    for i, v in values.items():
+        fill(pool, 0, key(i), v)
+        tier.offload(0, key(i))
+        tier.flush()
+
+
+def files(root: Path) -> list[Path]:
+    """Chunk files, written or being written."""
+    return [p for p in root.rglob("*") if p.is_file() and p.name != USAGE_FILE]
+
+
+@pytest.fixture
+def pool() -> SlotPool:
+    return SlotPool(4, SHAPE, torch.float32, checksums=True)
+
+
+@pytest.fixture
+def tier(tmp_path, pool):
+    t = DiskTier(tmp_path / "kv", 10 * FILE, pool, "kv")
+    yield t
+    t.close(1.0)
+
+
+def test_a_written_chunk_reads_back_into_another_slot(tier, pool, tmp_path):
+    stored(tier, pool, {1: 0.5})
+    path = chunk_path(tmp_path / "kv", key(1))
+    assert path.stat().st_size == FILE
+    assert path.parent.parent.name == "r0" and path.parent.name == path.stem[:2]
+    assert tier.fetch([(2, key(1)), (3, key(9))]) == [True, False]
+    assert torch.equal(pool.read(2, key(1)), pool.slot(0))
+    with pytest.raises(ChunkCorrupt):
+        pool.read(3, key(9))  # not on disk: the slot stays unsealed
+    snap = tier.snapshot()
+    assert (snap["puts"], snap["hits"], snap["misses"], snap["put_bytes"]) == (1, 1, 1,
+                                                                               CHUNK_BYTES)
+    assert read_usage(tmp_path / "kv") == FILE
+
+
+def test_the_payload_starts_on_a_4k_boundary_after_a_codec_header(tier, pool, tmp_path):
+    stored(tier, pool, {1: 0.0})
+    data = chunk_path(tmp_path / "kv", key(1)).read_bytes()
+    header_len = codec.check_prefix(data[:codec.PREFIX_LEN], len(data))
+    header = codec.check_header(data[codec.PREFIX_LEN:codec.PREFIX_LEN + header_len],
+                                tier.expected(key(1)))
+    assert set(data[codec.PREFIX_LEN + header_len:HEAD_BYTES]) == {0}
+    codec.check_payload(header, memoryview(data)[HEAD_BYTES:])
+    assert data[HEAD_BYTES:] == bytes(pool.slot_bytes(0))
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "truncated": (lambda p, other: p.write_bytes(p.read_bytes()[:-100]), "truncated"),
+    "too_large": (lambda p, other: p.write_bytes(p.read_bytes() + b"x"), "too_large"),
+    "payload_bit": (lambda p, other: _flip(p, HEAD_BYTES + 1000), "checksum"),
+    "header_bit": (lambda p, other: _flip(p, 30), None),  # whichever field it hits
+    "swapped": (lambda p, other: p.write_bytes(other.read_bytes()), "key"),
+    "foreign": (lambda p, other: p.write_bytes(os.urandom(FILE)), "bad_magic"),
+    "empty": (lambda p, other: p.write_bytes(b""), "too_short"),
+    "head_only": (lambda p, other: p.write_bytes(p.read_bytes()[:HEAD_BYTES]), "truncated"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_file_is_a_miss_and_is_deleted(tier, pool, tmp_path, damage):
+    stored(tier, pool, {1: 0.0, 2: 7.0})
+    path, other = chunk_path(tmp_path / "kv", key(1)), chunk_path(tmp_path / "kv", key(2))
+    do, reason = DAMAGE[damage]
+    do(path, other)
+    assert tier.fetch([(1, key(1))]) == [False]
+    with pytest.raises(ChunkCorrupt):
+        pool.read(1, key(1))
+    assert not path.exists()
+    corrupt = tier.snapshot()["corrupt"]
+    assert sum(corrupt.values()) == 1 and (reason is None or corrupt == {reason: 1})
+    assert tier.fetch([(1, key(2))]) == [True]  # the other file is untouched
+    assert read_usage(tmp_path / "kv") == FILE  # the deleted file's room given back
+
+
+def test_with_a_mac_key_unsigned_and_forged_files_are_misses(tmp_path, pool):
+    root = tmp_path / "kv"
+    plain = DiskTier(root, 10 * FILE, pool, "kv")
+    stored(plain, pool, {1: 0.0})
+    plain.close(1.0)
+    signed = DiskTier(root, 10 * FILE, pool, "kv", mac_key=codec.mac_key(b"s" * 32))
+    stored(signed, pool, {2: 1.0})
+    assert signed.fetch([(1, key(1)), (2, key(2))]) == [False, True]
+    assert signed.snapshot()["corrupt"] == {"mac": 1}
+    # A file re-signed with another secret is forged for this reader.
+    other = DiskTier(tmp_path / "other", 10 * FILE, pool, "kv",
+                     mac_key=codec.mac_key(b"t" * 32))
+    stored(other, pool, {2: 1.0})
+    os.replace(chunk_path(tmp_path / "other", key(2)), chunk_path(root, key(2)))
+    assert signed.fetch([(1, key(2))]) == [False]
+    signed.close(1.0)
+    other.close(1.0)
+
+
+def test_capacity_evicts_the_least_recently_used_first(tmp_path, pool):
+    root = tmp_path / "kv"
+    tier = DiskTier(root, 3 * FILE, pool, "kv")
+    stored(tier, pool, {1: 1.0, 2: 2.0, 3: 3.0})
+    assert tier.fetch([(1, key(1))]) == [True]  # 1 is now the most recently used
+    stored(tier, pool, {4: 4.0, 5: 5.0})
+    on_disk = {i for i in range(1, 6) if chunk_path(root, key(i)).exists()}
+    assert on_disk == {1, 4, 5}
+    assert read_usage(root) == 3 * FILE == sum(p.stat().st_size for p in root.rglob("*.kvc"))
+    assert tier.snapshot()["evictions"] == 2
+    tier.close(1.0)
+
+
+def test_a_file_larger_than_the_capacity_is_never_written(tmp_path, pool):
+    tier = DiskTier(tmp_path / "kv", FILE - 1, pool, "kv")
+    stored(tier, pool, {1: 1.0})
+    assert not list((tmp_path / "kv").rglob("*.kvc"))
+    assert tier.snapshot()["put_no_room"] == 1
+    tier.close(1.0)
+
+
+def test_two_writers_share_one_bound(tmp_path, pool):
+    """Two tiers on one directory (as two engines): the directory never holds more than
+    the capacity, and each evicts the other's files when it needs room."""
+    root = tmp_path / "kv"
+    a, b = DiskTier(root, 4 * FILE, pool, "kv"), DiskTier(root, 4 * FILE, pool, "kv")
+    for i in range(12):
+        stored(a if i % 2 else b, pool, {i: float(i)})
+        held = sum(p.stat().st_size for p in root.rglob("*.kvc"))
+        assert held <= 4 * FILE and read_usage(root) == held
+    assert b.fetch([(1, key(11))]) == [True]  # written by a, read by b
+    a.close(1.0)
+    b.close(1.0)
+
+
+def test_a_chunk_written_twice_is_one_file(tmp_path, pool):
+    root = tmp_path / "kv"
+    a, b = DiskTier(root, 4 * FILE, pool, "kv"), DiskTier(root, 4 * FILE, pool, "kv")
+    stored(a, pool, {1: 1.0})
+    stored(b, pool, {1: 1.0})
+    assert b.snapshot()["put_exists"] == 1 and read_usage(root) == FILE
+    a.close(1.0)
+    b.close(1.0)
+
+
+def test_a_restart_finds_the_files_and_their_order(tmp_path, pool):
+    root = tmp_path / "kv"
+    tier = DiskTier(root, 3 * FILE, pool, "kv")
+    stored(tier, pool, {1: 1.0, 2: 2.0, 3: 3.0})
+    time.sleep(0.02)
+    assert tier.fetch([(1, key(1))]) == [True]  # its modification time moves on
+    tier.close(1.0)
+    (root / USAGE_FILE).write_bytes(b"")  # the count is rebuilt from what is there
+    stale = chunk_path(root, key(7)).with_name("x.kvc.tmp-1-2")
+    stale.write_bytes(b"half")
+    os.utime(stale, (time.time() - STALE_TEMP_S - 5,) * 2)
+    young = chunk_path(root, key(8)).with_name("y.kvc.tmp-1-2")
+    young.write_bytes(b"being written")
+    again = DiskTier(root, 3 * FILE, pool, "kv")
+    again.flush()  # the scan runs before the first write
+    assert again.scan_result.files == 3 and again.scan_result.stale_temps == 1
+    assert not stale.exists() and young.exists()
+    assert read_usage(root) == 3 * FILE + young.stat().st_size
+    young.unlink()  # its writer gave up: files removed by hand are recounted by a scan
+    again.space.scan()
+    assert read_usage(root) == 3 * FILE
+    stored(again, pool, {4: 4.0})
+    assert not chunk_path(root, key(2)).exists() and chunk_path(root, key(1)).exists()
+    assert again.fetch([(1, key(3))]) == [True]
+    again.close(1.0)
+
+
+def test_a_full_file_system_pauses_writes_then_they_resume(tier, pool, tmp_path, monkeypatch,
+                                                           caplog):
+    from kvconnector.store import disk_tier
+    from kvconnector.store.disk_files import DiskFiles
+
+    monkeypatch.setattr(disk_tier, "FIRST_PAUSE_S", 0.2)
+    tier._pause_s = 0.2
+    real = DiskFiles.write
+
+    def full(fd, head, payload):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(DiskFiles, "write", staticmethod(full))
+    stored(tier, pool, {1: 1.0, 2: 2.0})
+    snap = tier.snapshot()
+    assert snap["full"] == 1 and snap["dropped_puts"] == 1  # the second waits out the pause
+    assert sum("cannot write chunk files" in r.message for r in caplog.records) == 1
+    assert read_usage(tmp_path / "kv") == 0 and not files(tmp_path / "kv")
+    monkeypatch.setattr(DiskFiles, "write", staticmethod(real))
+    time.sleep(0.5)
+    stored(tier, pool, {3: 3.0})
+    assert tier.snapshot()["puts"] == 1 and tier.fetch([(1, key(3))]) == [True]
+
+
+def test_a_file_size_limit_is_a_full_disk_not_a_crash(tmp_path):
+    """RLIMIT_FSIZE makes the kernel refuse the file (EFBIG), as a full disk would."""
+    script = textwrap.dedent(f"""
+        import resource, sys, torch
+        sys.path.insert(0, {str(ROOT)!r})
+        from tests.test_disk_store import SHAPE, key, stored
+        from kvconnector.store.disk_tier import DiskTier
+        from kvconnector.store.memory import SlotPool
+        pool = SlotPool(2, SHAPE, torch.float32, checksums=True)
+        tier = DiskTier({str(tmp_path / "kv")!r}, 1 << 20, pool, "kv")
+        tier.flush()
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
+        stored(tier, pool, {{1: 1.0}})
+        print(tier.snapshot()["full"], tier.snapshot()["puts"])
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "0"]
+    assert not files(tmp_path / "kv")
+
+
+def test_a_killed_writer_never_leaves_a_bad_file_under_a_final_name(tmp_path):
+    """kill -9 a process while it writes chunk files as fast as it can: every file under
+    a final name reads back intact; what it was writing is a temporary file."""
+    root = tmp_path / "kv"
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(ROOT)!r})
+        from tests.test_disk_store import SHAPE, key, fill
+        from kvconnector.store.disk_tier import DiskTier
+        from kvconnector.store.memory import SlotPool
+        pool = SlotPool(2, SHAPE, torch.float32, checksums=True)
+        tier = DiskTier({str(root)!r}, 1 << 30, pool, "kv")
+        tier.flush()
+        print("ready", flush=True)
+        i = 0
+        while True:
+            fill(pool, 0, key(i), float(i))
+            tier._write(key(i), pool.slot_bytes(0), pool.header(0).checksum)
+            i += 1
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    finals = list(root.rglob("*.kvc"))
+    assert len(finals) > 10
+    pool = SlotPool(1, SHAPE, torch.float32)
+    reader = DiskTier(root, 1 << 30, pool, "kv")
+    for path in finals:
+        i = int(path.stem, 16)
+        assert reader.fetch([(0, key(i))]) == [True], path
+        assert float(pool.slot(0).flatten()[0]) == float(i)
+    reader.close(1.0)
+
+
+def test_the_catalog_counts_leading_chunks_on_every_rank(tmp_path, pool):
+    root = tmp_path / "kv"
+    tier = DiskTier(root, 10 * FILE, pool, "kv")
+    stored(tier, pool, {1: 1.0, 2: 2.0})
+    fill(pool, 0, key(1, rank=1), 1.0)
+    tier.offload(0, key(1, rank=1))
+    tier.flush()
+    cat = DiskCatalog(root)
+    assert cat.count_prefix([[key(1)], [key(2)], [key(3)]]) == 2
+    assert cat.count_prefix([[key(1), key(1, 1)], [key(2), key(2, 1)]]) == 1
+    assert cat.count_prefix([[key(3)], [key(1)]]) == 0
+    tier.close(1.0)
+
+
+def test_a_slow_file_system_is_not_asked_for_a_while(tmp_path, monkeypatch):
+    from kvconnector.store import disk_catalog
+
+    cat = DiskCatalog(tmp_path, budget_s=0.01)
+    real = os.stat
+    monkeypatch.setattr(disk_catalog.os, "stat", lambda p: (time.sleep(0.02), real(p))[1])
+    (tmp_path / "x").mkdir()
+    assert cat.count_prefix([[key(1)]]) == 0 and cat.slow_lookups == 1
+    monkeypatch.setattr(disk_catalog.os, "stat", lambda p: pytest.fail("asked while paused"))
+    assert cat.count_prefix([[key(1)]]) == 0
+
+
+def test_space_reserve_counts_a_file_being_written(tmp_path):
+    space = DiskSpace(tmp_path, 2 * FILE)
+    final = chunk_path(tmp_path, key(1))
+    fd, temp = space.reserve(final, FILE)
+    assert temp.stat().st_size == FILE and read_usage(tmp_path) == FILE
+    os.close(fd)
+    space.abandon(temp, FILE)
+    assert not temp.exists() and read_usage(tmp_path) == 0
+    space.close()
+
+
+def test_disk_keys_are_validated_at_start_up(tmp_path):
+    from kvconnector.config import ConfigError, ConnectorConfig
+    from kvconnector.store.disk_space import disk_capacity
+
+    with pytest.raises(ConfigError, match="disk_capacity needs disk_path"):
+        ConnectorConfig.from_extra_config({"disk_capacity": "1GiB"})
+    with pytest.raises(ConfigError, match="disk_capacity: expected a size"):
+        ConnectorConfig.from_extra_config({"disk_path": str(tmp_path), "disk_capacity": "lots"})
+    with pytest.raises(ConfigError, match="is more than the file system"):
+        disk_capacity(str(tmp_path), 1 << 60)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="disk_path: .* is not a directory|cannot create"):
+        disk_capacity(str(tmp_path / "file"), 1 << 20)
+    assert 0 < disk_capacity(str(tmp_path / "new"), None) <= 1 << 40
+    assert (tmp_path / "new").is_dir()

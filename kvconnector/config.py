@@ -76,8 +76,8 @@ class ConnectorConfig:
         "first); checked against the file system's free space at start-up. Default: half "
         "of the free space then, at most 1TiB.", optional=True)
     disk_direct_io: bool = setting(
-        False, "bool", "Read chunk files with O_DIRECT (bypassing the page cache, which "
-        "otherwise keeps recently written and read chunks as a free extra tier).")
+        True, "bool", "Read chunk files with O_DIRECT, bypassing the page cache (where the "
+        "file system allows it); false reads through it, which then keeps recent chunks.")
     disk_write_threads: int = setting(
         1, "int", "Threads writing chunk files (more for several NVMe devices).", lo=1)
     chunk_mac_key_env: str | None = setting(

@@ -94,7 +94,7 @@ class WorkerHalf:
                              checksums=redis is not None)
         if self.config.disk_path:
             self.disk_tier = open_disk(self.config, self.disk_capacity, self.pool,
-                                       self.layout.family)
+                                       self.layout.family, self.fingerprint_fields)
         if redis is not None:
             self.redis_tier = RedisTier(redis, self.pool, self.layout.family,
                                         fingerprint=self.fingerprint_fields)

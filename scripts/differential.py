@@ -50,7 +50,8 @@ def main() -> int:
             start = time.monotonic()
             kind = kinds[seed % len(kinds)]
             make = differential.workload if kind == "prefix" else differential.blend_workload
-            w = make(seed, redis.url, n_engines=args.engines)
+            w = make(seed, redis.url, n_engines=args.engines,
+                     disk_dir=Path(tmp) / str(seed) / "disk")
             try:
                 problems = differential.run(models[kind], Path(tmp) / str(seed), w)
             except RuntimeError as e:  # an engine that failed or hung is a finding too

@@ -1,6 +1,7 @@
 """Seeded random workloads for differential tests: prompts that share prefixes in random
-ways, asked in random batches with aborts, through engines with small memory tiers, Redis
-behind them or not, compared token for token with vLLM alone.
+ways, asked in random batches with aborts, through engines with small memory tiers, a
+disk tier (of a few chunk files, in one directory per seed) and Redis behind them or not,
+compared token for token with vLLM alone.
 
 ``tests/test_differential.py`` runs a few seeds in CI; ``scripts/differential.py`` runs as
 many as time allows. A failure names its seed: ``workload(seed)`` rebuilds it exactly.
@@ -15,6 +16,7 @@ from pathlib import Path
 from tests.conftest import run_engine
 
 CHUNK_BYTES = 256 << 10  # one 256-token chunk of the tiny test model (fp32)
+CHUNK_FILE = CHUNK_BYTES + 4096  # its file in the disk tier
 MAX_MODEL_LEN = 4096
 MAX_TOKENS = 24
 
@@ -82,16 +84,27 @@ def _batches(rng: random.Random, n_prompts: int, n_requests: int,
     return batches
 
 
+def _disk(rng: random.Random, disk_dir: Path | None, extra: dict) -> None:
+    """About half the engines get a disk tier of 1-12 chunk files in ``disk_dir`` (one
+    per seed: what one engine writes, the next may read). Its own generator, so that a
+    seed's prompts and batches are those it had before the disk tier existed."""
+    if disk_dir is not None and rng.random() < 0.5:
+        extra.update(disk_path=str(disk_dir), disk_capacity=CHUNK_FILE * rng.randint(1, 12))
+
+
 def workload(seed: int, redis_url: str | None, n_prompts: int = 8, n_requests: int = 14,
-             n_engines: int = 3) -> Workload:
+             n_engines: int = 3, disk_dir: Path | None = None) -> Workload:
     """Engines of seed ``seed``: each runs its own random sequence over the same prompts.
     With ``redis_url``, about two in three share one Redis key prefix per seed (what one
-    engine stores, the next may load); the others have no Redis."""
+    engine stores, the next may load); the others have no Redis. With ``disk_dir``, about
+    half have a disk tier there."""
     rng = random.Random(seed)
+    disk_rng = random.Random(f"disk{seed}")
     w = Workload(seed, _prompts(rng, n_prompts))
     for _ in range(n_engines):
         url = redis_url if redis_url is not None and rng.random() < 0.67 else None
         w.engines.append(_engine(rng, url, f"diff{seed}"))
+        _disk(disk_rng, disk_dir, w.engines[-1]["connector"])
         w.batches.append(_batches(rng, n_prompts, n_requests))
     return w
 
@@ -101,11 +114,13 @@ BLEND_MAX_MODEL_LEN = 2048
 
 
 def blend_workload(seed: int, redis_url: str | None, n_prompts: int = 8,
-                   n_requests: int = 12, n_engines: int = 2) -> Workload:
+                   n_requests: int = 12, n_engines: int = 2,
+                   disk_dir: Path | None = None) -> Workload:
     """Prompts of a system prompt and 2-4 of 6 documents, in random orders and overlaps,
     then a question, served by blend at ratio 1.0 (every token recomputed: vLLM alone's
     tokens) through memory tiers of 1-8 pieces, Redis behind them or not."""
     rng = random.Random(seed)
+    disk_rng = random.Random(f"disk{seed}")
 
     def fresh(k: int) -> list[int]:
         return [rng.randrange(5, 400) for _ in range(k)]
@@ -127,6 +142,7 @@ def blend_workload(seed: int, redis_url: str | None, n_prompts: int = 8,
                        "blend_max_cost": 1.0, "blend_min_tokens": rng.choice([1, 128])}
         if redis_url is not None and rng.random() < 0.67:
             extra.update(redis_url=redis_url, redis_key_prefix=f"blend{seed}")
+        _disk(disk_rng, disk_dir, extra)
         w.engines.append({"connector": extra, "prefix_caching": rng.random() < 0.5,
                           "kv_cache_bytes": 64 << 20, "max_model_len": BLEND_MAX_MODEL_LEN})
         w.batches.append(_batches(rng, n_prompts, n_requests))

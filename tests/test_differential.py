@@ -65,7 +65,7 @@ def shared_redis():
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_workloads_match_vllm_alone(tiny_model, tmp_path, shared_redis, seed):
-    w = differential.workload(seed, shared_redis.url)
+    w = differential.workload(seed, shared_redis.url, disk_dir=tmp_path / "disk")
     problems = differential.run(tiny_model, tmp_path, w)
     assert not problems, "\n".join(problems)
     assert differential.cached_tokens(tmp_path) > 0  # the workload did hit the caches
@@ -81,7 +81,7 @@ def blend_model() -> str:
 def test_random_blends_at_ratio_1_match_vllm_alone(blend_model, tmp_path, shared_redis, seed):
     """Documents in random orders and overlaps, stored and evicted through small memory
     tiers and Redis, blended with every token recomputed: vLLM alone's tokens."""
-    w = differential.blend_workload(seed, shared_redis.url)
+    w = differential.blend_workload(seed, shared_redis.url, disk_dir=tmp_path / "disk")
     problems = differential.run(blend_model, tmp_path, w)
     assert not problems, "\n".join(problems)
     assert differential.total(tmp_path, "blend_requests") > 0

@@ -350,3 +350,17 @@ def test_disk_keys_are_validated_at_start_up(tmp_path):
         disk_capacity(str(tmp_path / "file"), 1 << 20)
     assert 0 < disk_capacity(str(tmp_path / "new"), None) <= 1 << 40
     assert (tmp_path / "new").is_dir()
+
+
+def test_a_buffer_o_direct_refuses_is_read_without_it(tier, pool, tmp_path):
+    """O_DIRECT needs aligned memory: an unaligned buffer is read the buffered way."""
+    stored(tier, pool, {1: 3.0})
+    raw = bytearray(CHUNK_BYTES + 1)
+    out = memoryview(raw)[1:]
+    res = tier.files.read_into(key(1), tier.expected(key(1)), out)
+    assert res.ok and bytes(out) == bytes(pool.slot_bytes(0))
+
+
+def test_pool_slots_start_on_a_page():
+    pool = SlotPool(3, (4, 1024), torch.bfloat16)  # 8 KiB slots
+    assert all(pool.slot(s).data_ptr() % 4096 == 0 for s in range(3))

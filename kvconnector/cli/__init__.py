@@ -1,13 +1,14 @@
-"""The ``kvconnector`` command: look into, check and clean the Redis tier, and show the
-effective connector config.
+"""The ``kvconnector`` command: look into, check and clean the Redis tier or a disk tier's
+directory, and show the effective connector config.
 
-    kvconnector stats URL              chunks and bytes per model fingerprint and namespace
-    kvconnector verify URL [--delete]  read every value, check header and checksum (or MAC)
-    kvconnector purge URL --model M | --namespace N | --fingerprint HEX | --all
+    kvconnector stats WHERE              chunks and bytes per model fingerprint and namespace
+    kvconnector verify WHERE [--delete]  read every chunk, check header and checksum (or MAC)
+    kvconnector purge WHERE --model M | --namespace N | --fingerprint HEX | --all
     kvconnector config KV_TRANSFER_JSON
 
-URL: redis://, rediss://, unix:// or redis+cluster:// (a cluster node's redis:// works too).
-Exit status: 0 fine, 1 problems found (verify) or not all done, 2 bad usage or no Redis.
+WHERE: a Redis URL (redis://, rediss://, unix:// or redis+cluster://; a cluster node's
+redis:// works too), or a disk tier's directory (the engines' disk_path, or file://PATH).
+Exit status: 0 fine, 1 problems found (verify) or not all done, 2 bad usage or no store.
 Passwords never appear in the output.
 """
 
@@ -17,7 +18,9 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
+from kvconnector.cli.disk import is_directory_target, open_root
 from kvconnector.cli.inventory import CliError, Inventory, Target, connect, take_inventory
 from kvconnector.cli.output import emit_json, human_age, human_bytes, shorten, table
 from kvconnector.config import ConfigError, ConnectorConfig
@@ -30,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
 
     def redis_command(name: str, help: str) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help, description=help)
-        c.add_argument("url", help="the Redis the engines use (their redis_url)")
+        c.add_argument("url", metavar="where", help="the Redis the engines use (their "
+                       "redis_url), or their disk_path")
         c.add_argument("--prefix", default="kvc", help="redis_key_prefix (default: kvc)")
         pw = c.add_mutually_exclusive_group()
         pw.add_argument("--password-env", metavar="NAME",
@@ -88,7 +92,21 @@ def _target(args: argparse.Namespace) -> Target:
     return connect(args.url, args.prefix, password.decode() if password else None)
 
 
-def _stats(args: argparse.Namespace, target: Target) -> int:
+def _stats(args: argparse.Namespace, target: Target | Path) -> int:
+    if isinstance(target, Path):
+        from kvconnector.cli.disk import disk_inventory
+
+        inv = disk_inventory(target, args.progress)
+        if args.json:
+            emit_json({"directory": str(target), "chunks": inv.chunks, "bytes": inv.bytes,
+                       "fingerprints": [g.to_json() for g in _ordered(inv)]})
+            return 0
+        print(f"{target} (disk tier)")
+        _print_groups(inv)
+        print(f"total: {inv.chunks} chunk files, {human_bytes(inv.bytes)}, "
+              f"{len(inv.groups)} fingerprint(s)")
+        print("newest/oldest: time since a chunk file was last written or read")
+        return 0
     inv = take_inventory(target, args.progress)
     if args.json:
         emit_json({"url": target.safe_url, "prefix": target.prefix, "cluster": target.cluster,
@@ -98,6 +116,15 @@ def _stats(args: argparse.Namespace, target: Target) -> int:
         return 0
     where = f"cluster of {len(target.names)} primaries" if target.cluster else "1 server"
     print(f"{target.safe_url} (prefix {target.prefix!r}, {where})")
+    _print_groups(inv)
+    print(f"total: {inv.chunks} chunks, {human_bytes(inv.bytes)}, {len(inv.groups)} "
+          f"fingerprint(s); {inv.other_keys} other key(s) under {target.prefix + ':'!r}")
+    print("newest/oldest: time since a chunk was last written or read (Redis keeps no "
+          "creation time)")
+    return 0
+
+
+def _print_groups(inv: Inventory) -> None:
     rows = []
     for g in _ordered(inv):
         d = g.descriptor
@@ -108,33 +135,35 @@ def _stats(args: argparse.Namespace, target: Target) -> int:
     if rows:
         print(table(["fingerprint", "model", "namespace", "dtype", "chunks", "size",
                      "newest", "oldest"], rows))
-    print(f"total: {inv.chunks} chunks, {human_bytes(inv.bytes)}, {len(inv.groups)} "
-          f"fingerprint(s); {inv.other_keys} other key(s) under {target.prefix + ':'!r}")
-    print("newest/oldest: time since a chunk was last written or read (Redis keeps no "
-          "creation time)")
     if any(g.descriptor is None for g in inv.groups.values()):
         print("(no descriptor): chunks whose model is unknown (written by an older "
               "kvconnector, or its descriptor was purged); purge --fingerprint removes them")
-    return 0
 
 
 def _ordered(inv: Inventory) -> list:
     return sorted(inv.groups.values(), key=lambda g: (-g.bytes, g.fingerprint))
 
 
-def _verify(args: argparse.Namespace, target: Target) -> int:
+def _verify(args: argparse.Namespace, target: Target | Path) -> int:
+    from kvconnector.cli.disk import verify_disk
     from kvconnector.cli.verify import report_json, verify
     from kvconnector.store.codec import mac_key
 
     secret = args.mac_secret
     start = time.monotonic()
-    report = verify(target, mac_key=mac_key(secret) if secret else None, delete=args.delete,
-                    progress=args.progress)
-    if args.json:
-        emit_json({"url": target.safe_url, "prefix": target.prefix, "mac": secret is not None,
-                   **report_json(report)})
+    key = mac_key(secret) if secret else None
+    if isinstance(target, Path):
+        report = verify_disk(target, mac_key=key, delete=args.delete, progress=args.progress)
+        where: dict = {"directory": str(target)}
+        title = f"{target} (disk tier)"
     else:
-        print(f"{target.safe_url} (prefix {target.prefix!r}): checked {report.checked} values "
+        report = verify(target, mac_key=key, delete=args.delete, progress=args.progress)
+        where = {"url": target.safe_url, "prefix": target.prefix}
+        title = f"{target.safe_url} (prefix {target.prefix!r})"
+    if args.json:
+        emit_json({**where, "mac": secret is not None, **report_json(report)})
+    else:
+        print(f"{title}: checked {report.checked} values "
               f"({human_bytes(report.checked_bytes)}) in {time.monotonic() - start:.1f} s, "
               f"{'MAC' if secret else 'checksum (XXH3-64)'} checked")
         for w in report.warnings:
@@ -153,18 +182,24 @@ def _verify(args: argparse.Namespace, target: Target) -> int:
     return 1 if report.problems else 0
 
 
-def _purge(args: argparse.Namespace, target: Target) -> int:
+def _purge(args: argparse.Namespace, target: Target | Path) -> int:
+    from kvconnector.cli.disk import disk_inventory, purge_disk
     from kvconnector.cli.purge import Selection, purge
 
     selection = Selection(args.all, args.model, args.namespace, tuple(args.fingerprint))
-    inv = take_inventory(target, args.progress)
+    disk = isinstance(target, Path)
+    inv = disk_inventory(target, args.progress) if disk else take_inventory(target,
+                                                                            args.progress)
     chosen = selection.chosen(inv)
     groups = [inv.groups[fp] for fp in sorted(chosen)]
     chunks, nbytes = sum(g.chunks for g in groups), sum(g.bytes for g in groups)
-    summary = {"url": target.safe_url, "prefix": target.prefix, "fingerprints": sorted(chosen),
-               "chunks": chunks, "bytes": nbytes, "dry_run": args.dry_run}
+    where = ({"directory": str(target)} if disk else
+             {"url": target.safe_url, "prefix": target.prefix})
+    name = str(target) if disk else target.safe_url
+    summary = {**where, "fingerprints": sorted(chosen), "chunks": chunks, "bytes": nbytes,
+               "dry_run": args.dry_run}
     if not args.json:
-        print(f"{target.safe_url} (prefix {target.prefix!r}): {chunks} chunks "
+        print(f"{name}{'' if disk else f' (prefix {target.prefix!r})'}: {chunks} chunks "
               f"({human_bytes(nbytes)}) of {len(chosen)} fingerprint(s)")
         for g in groups:
             d = g.descriptor
@@ -179,16 +214,17 @@ def _purge(args: argparse.Namespace, target: Target) -> int:
     if not args.yes:
         if not sys.stdin.isatty():
             raise CliError("not a terminal: add --yes to delete without asking")
-        answer = input(f"delete them from {target.safe_url}? [y/N] ")
+        answer = input(f"delete them from {name}? [y/N] ")
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing deleted")
             return 1
-    deleted = purge(target, chosen, args.progress)
+    deleted = (purge_disk(target, chosen, args.progress) if disk
+               else purge(target, chosen, args.progress))
     if args.json:
         emit_json({**summary, "deleted": deleted})
     else:
-        print(f"deleted {deleted} keys (chunks and descriptors); engines still running with "
-              "these fingerprints store new chunks again")
+        print(f"deleted {deleted} {'files' if disk else 'keys'} (chunks and descriptors); "
+              "engines still running with these fingerprints store new chunks again")
     return 0
 
 
@@ -231,10 +267,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _config(args)
         if args.command == "verify":  # a missing secret is found before connecting
             args.mac_secret = _secret("chunk_mac_key", args.mac_key_env, args.mac_key_file)
+        run = {"stats": _stats, "verify": _verify, "purge": _purge}[args.command]
+        if is_directory_target(args.url):
+            return run(args, open_root(args.url))
         target = _target(args)
         try:
-            return {"stats": _stats, "verify": _verify, "purge": _purge}[args.command](
-                args, target)
+            return run(args, target)
         finally:
             target.close()
     except CliError as e:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvconnector.config import ConnectorConfig
+    from kvconnector.keys import Fingerprint
     from kvconnector.store.disk_tier import DiskTier
     from kvconnector.store.memory import ChunkCorrupt, MemoryIndex, SlotPool
     from kvconnector.store.redis_store import RedisStore
@@ -57,8 +58,8 @@ def open_redis(config: ConnectorConfig, *, for_lookups: bool = False) -> RedisSt
                                ttl_s=config.redis_ttl_s, **kw)
 
 
-def open_disk(config: ConnectorConfig, capacity: int, pool: SlotPool,
-              layout_name: str) -> DiskTier:
+def open_disk(config: ConnectorConfig, capacity: int, pool: SlotPool, layout_name: str,
+              fingerprint: Fingerprint) -> DiskTier:
     """This worker's disk tier (``config.disk_path``, checked at start-up)."""
     from kvconnector.store import codec
     from kvconnector.store.disk_tier import DiskTier
@@ -67,4 +68,5 @@ def open_disk(config: ConnectorConfig, capacity: int, pool: SlotPool,
     assert config.disk_path is not None
     return DiskTier(config.disk_path, capacity, pool, layout_name,
                     mac_key=codec.mac_key(secret) if secret is not None else None,
-                    direct_io=config.disk_direct_io, write_threads=config.disk_write_threads)
+                    direct_io=config.disk_direct_io, write_threads=config.disk_write_threads,
+                    fingerprint=fingerprint)

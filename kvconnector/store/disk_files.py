@@ -1,7 +1,8 @@
 """Chunk files of the disk tier: where a chunk's file lives, and how it is written and read.
 
 A chunk is one file, ``<disk_path>/<fingerprint>/r<rank>/<hh>/<hash>.kvc`` (``hh``: the
-chain hash's first two hex digits, 256 subdirectories per rank). Every part of the name
+chain hash's first two hex digits, 256 subdirectories per rank); what the fingerprint
+stands for is in ``<disk_path>/<fingerprint>/descriptor.kvd``. Every part of the name
 comes from the chunk key (keys.py: no per-process seed), so another process, another engine
 or the same engine after a restart finds the file again.
 
@@ -10,8 +11,11 @@ checksum and optional MAC) padded with zeros to ``HEAD_BYTES``, then the payload
 
     codec prefix + header | zeros up to 4096 | payload (the slot's bytes)
 
-The payload starts on a 4 KiB boundary so that it can be read straight into a slot, with
-O_DIRECT where asked for. A file is written under a temporary name in its final directory
+The payload starts on a 4 KiB boundary so that it can be read straight into a slot (whose
+memory starts on a page, store/memory.py) with O_DIRECT: by default, as a single read of
+tens of MiB bypassing the page cache ran 2-7x faster than a buffered one on this project's
+machines (docs/benchmarks.md, "disk tier"); where the file system, the buffer or the
+length does not allow it, the read is buffered. A file is written under a temporary name in its final directory
 (store/disk_space.py reserves it) and renamed into place only when complete: a file under
 a final name is never half written, even when a writer is killed. Bytes can still go bad
 on the device or be swapped by hand: a reader checks the header against the key it
@@ -38,6 +42,7 @@ logger = logging.getLogger("kvconnector.store.disk")
 
 HEAD_BYTES = 4096
 SUFFIX = ".kvc"
+DESCRIPTOR_NAME = "descriptor.kvd"
 TEMP_MARK = ".tmp-"
 #: Errors that mean "no room" rather than a broken file: writes pause and retry later.
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
@@ -46,6 +51,11 @@ FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
 def chunk_path(root: Path, key: ChunkKey) -> Path:
     h = key.chunk_hash.hex()
     return root / key.fingerprint.hex() / f"r{key.tp_rank}" / h[:2] / f"{h}{SUFFIX}"
+
+
+def descriptor_path(root: Path, fingerprint_hex: str) -> Path:
+    """What a fingerprint stands for (store/descriptor.py), next to its chunk files."""
+    return root / fingerprint_hex / DESCRIPTOR_NAME
 
 
 def file_size(nbytes: int) -> int:
@@ -69,7 +79,7 @@ class DiskFiles:
     """Reads and writes chunk files under ``root``; holds no state but the root."""
 
     def __init__(self, root: str | Path, mac_key: bytes | None = None,
-                 direct_io: bool = False) -> None:
+                 direct_io: bool = True) -> None:
         self.root = Path(root)
         self.mac_key = mac_key
         self.direct_io = direct_io
@@ -128,7 +138,10 @@ class DiskFiles:
             except OSError as e:
                 if e.errno != errno.EINVAL:  # a file system without O_DIRECT: buffered
                     raise
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        # Chunks are read whole, once: a larger readahead window than the default.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        return fd
 
     def _head_buffer(self) -> mmap.mmap:
         buf = getattr(self._local, "head", None)

@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvconnector.keys import ChunkKey
+from kvconnector.keys import ChunkKey, Fingerprint
+from kvconnector.store import descriptor
 from kvconnector.store.codec import REASONS, ExpectedChunk, checksum
-from kvconnector.store.disk_files import FULL_ERRNOS, DiskFiles, file_size
+from kvconnector.store.disk_files import FULL_ERRNOS, DiskFiles, descriptor_path, file_size
 from kvconnector.store.disk_space import DiskSpace
 from kvconnector.store.memory import SlotPool
 from kvconnector.store.tiering import PutQueue, expected_chunk
@@ -50,8 +51,8 @@ class DiskTier:
     name = "disk"
 
     def __init__(self, root: str | Path, capacity: int, pool: SlotPool, layout_name: str, *,
-                 mac_key: bytes | None = None, direct_io: bool = False,
-                 write_threads: int = 1) -> None:
+                 mac_key: bytes | None = None, direct_io: bool = True,
+                 write_threads: int = 1, fingerprint: Fingerprint | None = None) -> None:
         self.files = DiskFiles(root, mac_key=mac_key, direct_io=direct_io)
         self.space = DiskSpace(root, capacity)
         self.pool = pool
@@ -61,6 +62,7 @@ class DiskTier:
         self._paused_until = 0.0
         self._pause_s = FIRST_PAUSE_S
         self.scan_result = None
+        self._fingerprint = fingerprint
         self._puts = PutQueue("disk", self._put, threads=write_threads, first=self._scan)
 
     def expected(self, key: ChunkKey) -> ExpectedChunk:
@@ -72,11 +74,28 @@ class DiskTier:
                 setattr(self.counters, k, getattr(self.counters, k) + v)
 
     def _scan(self) -> None:
+        if self._fingerprint is not None:
+            self._write_descriptor(self._fingerprint)
         self.scan_result = self.space.scan()
         r = self.scan_result
         logger.info("kvconnector disk %s: %d chunk files, %.1f GiB of %.1f GiB (scanned in "
                     "%.2f s; %d stale temporary files deleted)", self.files.root, r.files,
                     r.bytes / 2**30, self.space.capacity / 2**30, r.seconds, r.stale_temps)
+
+    def _write_descriptor(self, fp: Fingerprint) -> None:
+        """What this engine's fingerprint stands for, for ``kvconnector stats`` (as in
+        Redis, store/descriptor.py), next to its chunk files."""
+        digest = fp.digest()
+        path = descriptor_path(self.files.root, digest.hex())
+        value = descriptor.encode(fp, self.expected(ChunkKey(digest, 0, bytes(16))),
+                                  mac_key=self.files.mac_key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temp = path.with_name(f"{path.name}.new-{os.getpid()}-{threading.get_ident()}")
+            temp.write_bytes(value)
+            os.replace(temp, path)
+        except OSError as e:
+            logger.warning("kvconnector disk: cannot write %s: %s", path, e)
 
     # ---- reads (the copy thread) ----
     def fetch(self, wanted: Sequence[tuple[int, ChunkKey]]) -> list[bool]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -156,6 +157,20 @@ class MemoryIndex:
                       if s not in self._forgotten]
 
 
+PAGE = 4096
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialised tensor whose memory starts on a page: slots of whole pages can then
+    be read into with O_DIRECT (the disk tier), which needs aligned buffers."""
+    if pin:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)  # page aligned already
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    offset = -raw.data_ptr() % PAGE
+    return raw[offset:offset + nbytes].view(dtype).view(shape)
+
+
 @dataclass(frozen=True)
 class SlotHeader:
     key: ChunkKey
@@ -180,7 +195,7 @@ class SlotPool:
         pin = torch.cuda.is_available()
         self.checksums = checksums  # slots are sent to Redis: seal them with their checksum
         self.chunk_shape = tuple(chunk_shape)
-        self.buffer = torch.empty((num_slots, *self.chunk_shape), dtype=dtype, pin_memory=pin)
+        self.buffer = _aligned_empty((num_slots, *self.chunk_shape), dtype, pin)
         # Touch every page now: the capacity is really held from start-up, and the first
         # saves do not pay page faults inside a forward step.
         self.buffer.view(torch.uint8).zero_()

@@ -75,9 +75,9 @@ def dd_direct_read(paths: list[Path]) -> float | None:
 
 def tier_read(tier, keys, pool) -> float:
     start = time.perf_counter()
-    got = tier.fetch([(0, k) for k in keys[:1]])
+    got = tier.fetch([(0, k, 0) for k in keys[:1]])
     for k in keys[1:]:
-        got += tier.fetch([(0, k)])
+        got += tier.fetch([(0, k, 0)])
     elapsed = time.perf_counter() - start
     assert all(got), "a chunk did not read back"
     return pool.chunk_bytes * len(keys) / elapsed / 1e9

@@ -13,9 +13,10 @@ from dataclasses import asdict, dataclass
 
 import msgpack
 
-# Part of every key: a new stored format (2: XXH3-64 in store/codec.py) gets new keys, so
-# engines of two versions sharing a Redis never read, and delete, each other's values.
-FORMAT_VERSION = 2
+# Part of every key: a new stored format gets new keys, so engines of two versions sharing
+# a Redis never read, and delete, each other's values. 2: XXH3-64 in store/codec.py; 3: a
+# partial chunk stores the bytes of its filled blocks only (store/tiering.py SlotBytes).
+FORMAT_VERSION = 3
 HASH_BYTES = 16
 PARTIAL_PERSON = b"kvc-partial"
 

@@ -28,6 +28,9 @@ class ChunkTransfer:
     # A load: the tier to fetch the chunk from into the slot first ("disk", "redis"), or
     # "memory" (in the slot already).
     source: str = "memory"
+    # A partial chunk (a prompt's last blocks): only its first ``blocks`` blocks are
+    # stored, and only their bytes go to the disk and Redis. 0: a whole chunk.
+    blocks: int = 0
 
 
 @dataclass

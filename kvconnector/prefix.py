@@ -61,7 +61,8 @@ class PrefixReuse:
         hit = min(held.full * self.chunk_size + held.partial_blocks * self.block_size, cap)
         if hit <= num_computed:
             return None
-        partial = (held.full, held.partial_hash) if held.partial_hash is not None else None
+        partial = ((held.full, held.partial_hash, held.partial_blocks)
+                   if held.partial_hash is not None else None)
         return PrefixHit(num_computed, hit - num_computed, hit > held.from_memory, partial,
                          held.sources)
 
@@ -176,8 +177,8 @@ class PrefixReuse:
         c, bs, req_id = self.chunk_size, self.block_size, st.request.request_id
         loads = []
         for ci in range(start // c, -(-end // c)):
-            h = hit.partial[1] if hit.partial is not None and ci == hit.partial[0] \
-                else st.hashes[ci]
+            partial = hit.partial is not None and ci == hit.partial[0]
+            h = hit.partial[1] if hit.partial is not None and partial else st.hashes[ci]
             source = "memory"
             if h not in self.index:
                 found = hit.sources[ci] if ci < len(hit.sources) else "memory"
@@ -196,5 +197,6 @@ class PrefixReuse:
             first = ci * c // bs
             ids = [block_ids[first + j] if start <= (first + j) * bs < end else -1
                    for j in range(self.blocks_per_chunk)]
-            loads.append(ChunkTransfer(req_id, ci, h, slot, ids, source))
+            loads.append(ChunkTransfer(req_id, ci, h, slot, ids, source,
+                                       hit.partial[2] if hit.partial and partial else 0))
         return loads, hit_tokens_by_tier(loads, bs)

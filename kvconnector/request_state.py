@@ -19,12 +19,13 @@ PENDING = "pending"  # a match while Redis is asked: vLLM asks again next step
 @dataclass(frozen=True)
 class PrefixHit:
     """A prefix hit offered to vLLM: ``tokens`` after vLLM's own hit of ``start`` tokens,
-    ending with the first blocks of chunk ``partial[0]`` (key ``partial[1]``) if set."""
+    ending with the first ``partial[2]`` blocks of chunk ``partial[0]`` (key ``partial[1]``)
+    if set."""
 
     start: int
     tokens: int
     load_async: bool
-    partial: tuple[int, bytes] | None = None
+    partial: tuple[int, bytes, int] | None = None
     # Per chunk index from the first: the tier that held it at the lookup ("memory",
     # "disk", "redis"); the partial chunk is the last entry when there is one.
     sources: tuple[str, ...] = ()

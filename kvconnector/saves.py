@@ -109,5 +109,5 @@ class SavePlanner:
         if slot is None:
             return
         blocks = list(block_ids[chunk * bpc:chunk * bpc + k]) + [-1] * (bpc - k)
-        out.append(ChunkTransfer(st.request.request_id, chunk, h, slot, blocks))
+        out.append(ChunkTransfer(st.request.request_id, chunk, h, slot, blocks, blocks=k))
         self.read_by(st.request.request_id, blocks)

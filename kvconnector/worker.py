@@ -50,6 +50,7 @@ class WorkerHalf:
         self.fingerprint = self.fingerprint_fields.digest()
         self.tp_rank = compat.tp_rank()
         self.num_slots = config.memory_slots(compat.chunk_bytes(kv_cache_config, config))
+        self.blocks_per_chunk = config.chunk_size // self.spec.block_size
         config.check_memory_available(*host_memory())
         self.disk_capacity = (disk_capacity(config.disk_path, config.disk_capacity)
                               if config.disk_path else 0)
@@ -94,10 +95,12 @@ class WorkerHalf:
                              checksums=redis is not None)
         if self.config.disk_path:
             self.disk_tier = open_disk(self.config, self.disk_capacity, self.pool,
-                                       self.layout.family, self.fingerprint_fields)
+                                       self.layout.family, self.fingerprint_fields,
+                                       self.blocks_per_chunk)
         if redis is not None:
             self.redis_tier = RedisTier(redis, self.pool, self.layout.family,
-                                        fingerprint=self.fingerprint_fields)
+                                        fingerprint=self.fingerprint_fields,
+                                        blocks_per_chunk=self.blocks_per_chunk)
         if self.layers[0].is_cuda:
             from kvconnector.kernels.host_transfer import HostTransfer
 
@@ -143,7 +146,7 @@ class WorkerHalf:
     def _load_request(self, req_id: str, transfers: list[ChunkTransfer]) -> None:
         try:
             assert self.store is not None
-            self.store.fetch([(t.slot, t.chunk_hash, t.source) for t in transfers
+            self.store.fetch([(t.slot, t.chunk_hash, t.source, t.blocks) for t in transfers
                               if t.source != "memory" and t.slot >= 0])
             self._load_chunks(transfers, on_copy_thread=True)
         except Exception:  # blocks that may not have been written are recomputed
@@ -262,7 +265,7 @@ class WorkerHalf:
         try:
             if copied is not None:
                 copied.synchronize()
-            self.store.seal(t.slot, t.chunk_hash)
+            self.store.seal(t.slot, t.chunk_hash, t.blocks)
         except Exception:
             self._save_failed(t)
             return

@@ -39,42 +39,44 @@ class WorkerStore:
     def begin_write(self, slot: int) -> torch.Tensor:
         return self.pool.begin_write(slot)
 
-    def seal(self, slot: int, chunk_hash: bytes) -> None:
-        """Mark the slot as holding ``chunk_hash`` and queue its copies to the lower tiers."""
+    def seal(self, slot: int, chunk_hash: bytes, blocks: int = 0) -> None:
+        """Mark the slot as holding ``chunk_hash`` and queue its copies to the lower tiers
+        (of its first ``blocks`` blocks, for a partial chunk)."""
         key = self.key(chunk_hash)
         self.pool.end_write(slot, key)
         for tier in self.tiers:
-            tier.offload(slot, key)
+            tier.offload(slot, key, blocks)
 
-    def fetch(self, wanted: Sequence[tuple[int, bytes, str]]) -> None:
-        """Fill each ``(slot, chunk hash, tier)`` from the tier the scheduler found it in,
-        or a farther one (copy thread). A chunk that does not arrive leaves its slot
-        unsealed, so reading it fails and its blocks are recomputed. A chunk fetched from
-        Redis is also written to the disk tier."""
+    def fetch(self, wanted: Sequence[tuple[int, bytes, str, int]]) -> None:
+        """Fill each ``(slot, chunk hash, tier, blocks)`` from the tier the scheduler found
+        it in, or a farther one (copy thread); ``blocks``: of a partial chunk, else 0. A
+        chunk that does not arrive leaves its slot unsealed, so reading it fails and its
+        blocks are recomputed. A chunk fetched from Redis is also written to the disk
+        tier."""
         if not wanted or not self.tiers:
             return
         if self._copy_stream is not None:
             # An earlier load may still be copying out of a slot the fetch refills.
             self._copy_stream.synchronize()
         names = [t.name for t in self.tiers]
-        todo = [(slot, h, names.index(src) if src in names else len(names))
-                for slot, h, src in wanted]
+        todo = [(slot, h, names.index(src) if src in names else len(names), blocks)
+                for slot, h, src, blocks in wanted]
         disk = self.tier("disk")
         for i, tier in enumerate(self.tiers):
-            asked = [(slot, h) for slot, h, first in todo if first <= i]
+            asked = [(slot, h, blocks) for slot, h, first, blocks in todo if first <= i]
             if not asked:
                 continue
             start = time.perf_counter()
-            got = tier.fetch([(slot, self.key(h)) for slot, h in asked])
+            got = tier.fetch([(slot, self.key(h), blocks) for slot, h, blocks in asked])
             elapsed = time.perf_counter() - start
             n = sum(got)
             self.ledger.count(**{f"{tier.name}_loaded_chunks": n,
                                  f"{tier.name}_misses": len(asked) - n,
                                  "load_seconds": elapsed})
             self.ledger.observe(**{f"{tier.name}_fetch_seconds": elapsed})
-            arrived = {slot for (slot, _), ok in zip(asked, got, strict=True) if ok}
+            arrived = {slot for (slot, _, _), ok in zip(asked, got, strict=True) if ok}
             if tier.name == "redis" and disk is not None:
-                for slot, h in asked:
+                for slot, h, blocks in asked:
                     if slot in arrived:
-                        disk.offload(slot, self.key(h))
+                        disk.offload(slot, self.key(h), blocks)
             todo = [t for t in todo if t[0] not in arrived]

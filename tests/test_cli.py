@@ -145,6 +145,21 @@ def test_check_value_as_an_engine_would():
     assert check_value(key, codec.encode(chunk, payload, mac_key=mac), desc, mac) is None
 
 
+def test_check_value_accepts_a_partial_chunk_of_the_descriptors_shape():
+    """A partial chunk holds the first tokens of a chunk: fewer along the token axis
+    (dimension 2) than the descriptor's chunk, and nothing else different."""
+    key = str(ChunkKey(FP.digest(), 0, b"\x03" * 16))
+    full = ExpectedChunk("", "kv", "float32", (2, 2, 256, 2, 4), 2 * 2 * 256 * 2 * 4 * 4)
+    desc = descriptor.decode(descriptor.encode(FP, full))
+    part = bytes(range(256)) * 32  # 64 of the 256 tokens, 8 KiB
+    ok = codec.encode(ExpectedChunk(key, "kv", "float32", (2, 2, 64, 2, 4), len(part)), part)
+    assert check_value(key, ok, desc, None) is None
+    for shape in ((2, 2, 64, 4, 2), (2, 2, 512, 2, 4)):  # another axis; more than a chunk
+        bad = codec.encode(ExpectedChunk(key, "kv", "float32", shape, len(part) * shape[2]
+                                         // 64), part * (shape[2] // 64))
+        assert check_value(key, bad, desc, None).reason == "shape"
+
+
 # ---- verify against a real redis-server ------------------------------------------------
 
 MAC_SECRET = "a-shared-secret-of-32-characters"

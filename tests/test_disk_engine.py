@@ -47,7 +47,8 @@ def test_a_restarted_engine_serves_the_chunks_on_disk(tiny_model, tmp_path, base
         {"op": "generate", "prompts": [P1, P2]}, {"op": "flush"}, {"op": "disk_stats"}]})
     assert [o["tokens"] for o in first[0]] == baseline[:2]
     assert first[2]["puts"] == 5 and len(chunk_files(disk)) == 5  # 3 + 2 chunks
-    assert read_usage(disk) == 5 * CHUNK_FILE
+    # P1's last chunk holds 1 of its 2 blocks: only that block's bytes are stored.
+    assert read_usage(disk) == 4 * CHUNK_FILE + HEAD_BYTES + (128 << 10)
     second = run_engine(tmp_path / "b", {
         "model": tiny_model, "connector": extra, "log_stats": True, "steps": [
             {"op": "generate", "prompts": [P1]}, {"op": "cached_by_source"},

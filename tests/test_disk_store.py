@@ -44,7 +44,7 @@ def stored(tier: DiskTier, pool: SlotPool, values: dict[int, float]) -> None:
     """Write chunk i with ``values[i]`` through the tier, one slot at a time."""
     for i, v in values.items():
         fill(pool, 0, key(i), v)
-        tier.offload(0, key(i))
+        tier.offload(0, key(i), 0)
         tier.flush()
 
 
@@ -70,7 +70,7 @@ def test_a_written_chunk_reads_back_into_another_slot(tier, pool, tmp_path):
     path = chunk_path(tmp_path / "kv", key(1))
     assert path.stat().st_size == FILE
     assert path.parent.parent.name == "r0" and path.parent.name == path.stem[:2]
-    assert tier.fetch([(2, key(1)), (3, key(9))]) == [True, False]
+    assert tier.fetch([(2, key(1), 0), (3, key(9), 0)]) == [True, False]
     assert torch.equal(pool.read(2, key(1)), pool.slot(0))
     with pytest.raises(ChunkCorrupt):
         pool.read(3, key(9))  # not on disk: the slot stays unsealed
@@ -115,13 +115,13 @@ def test_a_damaged_file_is_a_miss_and_is_deleted(tier, pool, tmp_path, damage):
     path, other = chunk_path(tmp_path / "kv", key(1)), chunk_path(tmp_path / "kv", key(2))
     do, reason = DAMAGE[damage]
     do(path, other)
-    assert tier.fetch([(1, key(1))]) == [False]
+    assert tier.fetch([(1, key(1), 0)]) == [False]
     with pytest.raises(ChunkCorrupt):
         pool.read(1, key(1))
     assert not path.exists()
     corrupt = tier.snapshot()["corrupt"]
     assert sum(corrupt.values()) == 1 and (reason is None or corrupt == {reason: 1})
-    assert tier.fetch([(1, key(2))]) == [True]  # the other file is untouched
+    assert tier.fetch([(1, key(2), 0)]) == [True]  # the other file is untouched
     assert read_usage(tmp_path / "kv") == FILE  # the deleted file's room given back
 
 
@@ -132,14 +132,14 @@ def test_with_a_mac_key_unsigned_and_forged_files_are_misses(tmp_path, pool):
     plain.close(1.0)
     signed = DiskTier(root, 10 * FILE, pool, "kv", mac_key=codec.mac_key(b"s" * 32))
     stored(signed, pool, {2: 1.0})
-    assert signed.fetch([(1, key(1)), (2, key(2))]) == [False, True]
+    assert signed.fetch([(1, key(1), 0), (2, key(2), 0)]) == [False, True]
     assert signed.snapshot()["corrupt"] == {"mac": 1}
     # A file re-signed with another secret is forged for this reader.
     other = DiskTier(tmp_path / "other", 10 * FILE, pool, "kv",
                      mac_key=codec.mac_key(b"t" * 32))
     stored(other, pool, {2: 1.0})
     os.replace(chunk_path(tmp_path / "other", key(2)), chunk_path(root, key(2)))
-    assert signed.fetch([(1, key(2))]) == [False]
+    assert signed.fetch([(1, key(2), 0)]) == [False]
     signed.close(1.0)
     other.close(1.0)
 
@@ -148,7 +148,7 @@ def test_capacity_evicts_the_least_recently_used_first(tmp_path, pool):
     root = tmp_path / "kv"
     tier = DiskTier(root, 3 * FILE, pool, "kv")
     stored(tier, pool, {1: 1.0, 2: 2.0, 3: 3.0})
-    assert tier.fetch([(1, key(1))]) == [True]  # 1 is now the most recently used
+    assert tier.fetch([(1, key(1), 0)]) == [True]  # 1 is now the most recently used
     stored(tier, pool, {4: 4.0, 5: 5.0})
     on_disk = {i for i in range(1, 6) if chunk_path(root, key(i)).exists()}
     assert on_disk == {1, 4, 5}
@@ -174,7 +174,7 @@ def test_two_writers_share_one_bound(tmp_path, pool):
         stored(a if i % 2 else b, pool, {i: float(i)})
         held = sum(p.stat().st_size for p in root.rglob("*.kvc"))
         assert held <= 4 * FILE and read_usage(root) == held
-    assert b.fetch([(1, key(11))]) == [True]  # written by a, read by b
+    assert b.fetch([(1, key(11), 0)]) == [True]  # written by a, read by b
     a.close(1.0)
     b.close(1.0)
 
@@ -194,7 +194,7 @@ def test_a_restart_finds_the_files_and_their_order(tmp_path, pool):
     tier = DiskTier(root, 3 * FILE, pool, "kv")
     stored(tier, pool, {1: 1.0, 2: 2.0, 3: 3.0})
     time.sleep(0.02)
-    assert tier.fetch([(1, key(1))]) == [True]  # its modification time moves on
+    assert tier.fetch([(1, key(1), 0)]) == [True]  # its modification time moves on
     tier.close(1.0)
     (root / USAGE_FILE).write_bytes(b"")  # the count is rebuilt from what is there
     stale = chunk_path(root, key(7)).with_name("x.kvc.tmp-1-2")
@@ -212,7 +212,7 @@ def test_a_restart_finds_the_files_and_their_order(tmp_path, pool):
     assert read_usage(root) == 3 * FILE
     stored(again, pool, {4: 4.0})
     assert not chunk_path(root, key(2)).exists() and chunk_path(root, key(1)).exists()
-    assert again.fetch([(1, key(3))]) == [True]
+    assert again.fetch([(1, key(3), 0)]) == [True]
     again.close(1.0)
 
 
@@ -237,7 +237,7 @@ def test_a_full_file_system_pauses_writes_then_they_resume(tier, pool, tmp_path,
     monkeypatch.setattr(DiskFiles, "write", staticmethod(real))
     time.sleep(0.5)
     stored(tier, pool, {3: 3.0})
-    assert tier.snapshot()["puts"] == 1 and tier.fetch([(1, key(3))]) == [True]
+    assert tier.snapshot()["puts"] == 1 and tier.fetch([(1, key(3), 0)]) == [True]
 
 
 def test_a_file_size_limit_is_a_full_disk_not_a_crash(tmp_path):
@@ -293,7 +293,7 @@ def test_a_killed_writer_never_leaves_a_bad_file_under_a_final_name(tmp_path):
     reader = DiskTier(root, 1 << 30, pool, "kv")
     for path in finals:
         i = int(path.stem, 16)
-        assert reader.fetch([(0, key(i))]) == [True], path
+        assert reader.fetch([(0, key(i), 0)]) == [True], path
         assert float(pool.slot(0).flatten()[0]) == float(i)
     reader.close(1.0)
 
@@ -303,7 +303,7 @@ def test_the_catalog_counts_leading_chunks_on_every_rank(tmp_path, pool):
     tier = DiskTier(root, 10 * FILE, pool, "kv")
     stored(tier, pool, {1: 1.0, 2: 2.0})
     fill(pool, 0, key(1, rank=1), 1.0)
-    tier.offload(0, key(1, rank=1))
+    tier.offload(0, key(1, rank=1), 0)
     tier.flush()
     cat = DiskCatalog(root)
     assert cat.count_prefix([[key(1)], [key(2)], [key(3)]]) == 2
@@ -364,3 +364,36 @@ def test_a_buffer_o_direct_refuses_is_read_without_it(tier, pool, tmp_path):
 def test_pool_slots_start_on_a_page():
     pool = SlotPool(3, (4, 1024), torch.bfloat16)  # 8 KiB slots
     assert all(pool.slot(s).data_ptr() % 4096 == 0 for s in range(3))
+
+
+def test_a_partial_chunk_stores_only_its_filled_blocks(tmp_path):
+    """The first block of a 4-block chunk: a quarter of the bytes on disk and in Redis,
+    read back into those blocks of another slot."""
+    from kvconnector.store.redis_store import RedisStore
+    from kvconnector.store.tiering import RedisTier
+    from tests.redis_server import RedisServer
+
+    shape = (2, 2, 64, 2, 2)  # [layers, K/V, 64 tokens: 4 blocks of 16, heads, head size]
+    pool = SlotPool(2, shape, torch.float32, checksums=True)
+    disk = DiskTier(tmp_path / "kv", 1 << 20, pool, "kv", blocks_per_chunk=4)
+    pool.begin_write(0).copy_(torch.arange(1024.0).view(shape))
+    pool.end_write(0, key(1))
+    disk.offload(0, key(1), 1)
+    disk.flush()
+    assert chunk_path(tmp_path / "kv", key(1)).stat().st_size == HEAD_BYTES + CHUNK_BYTES // 4
+    pool.begin_write(1).zero_()
+    assert disk.fetch([(1, key(1), 1)]) == [True]
+    assert torch.equal(pool.part(1, 1, 4), pool.part(0, 1, 4))
+    assert pool.part(1, 1, 4).shape == (2, 2, 16, 2, 2)
+    assert not pool.slot(1)[:, :, 16:].any()
+    assert disk.fetch([(1, key(1), 0)]) == [False]  # as a whole chunk: another shape
+    disk.close(1.0)
+    with RedisServer() as server:
+        redis = RedisTier(RedisStore.from_url(server.url), pool, "kv", blocks_per_chunk=4)
+        redis.offload(0, key(1), 1)
+        redis.flush()
+        assert server.client().strlen(f"kvc:{key(1)}") < CHUNK_BYTES // 4 + 512
+        pool.begin_write(1).zero_()
+        assert redis.fetch([(1, key(1), 1)]) == [True]
+        assert torch.equal(pool.part(1, 1, 4), pool.part(0, 1, 4))
+        redis.close(1.0)

@@ -55,14 +55,14 @@ class FakeTier:
         self.asked: list[int] = []
 
     def fetch(self, wanted):
-        for slot, key in wanted:
+        for slot, key, _ in wanted:
             self.asked.append(slot)
             self.pool.begin_write(slot)
             if slot in self.arrive:
                 self.pool.end_write(slot, key, for_redis=False)
-        return [slot in self.arrive for slot, _ in wanted]
+        return [slot in self.arrive for slot, _, _ in wanted]
 
-    def offload(self, slot, key):
+    def offload(self, slot, key, blocks=0):
         self.offloaded.append(slot)
 
 
@@ -78,7 +78,7 @@ def test_store_fetch_counts_and_waits_for_the_copy_stream():
     pool = SlotPool(4, (2, 8), torch.float32)
     ledger, stream = Ledger(), FakeStream()
     store = WorkerStore(pool, [FakeTier(pool, {1})], b"f" * 16, 0, ledger, stream)
-    store.fetch([(1, h(1), "redis"), (2, h(2), "redis")])
+    store.fetch([(1, h(1), "redis", 0), (2, h(2), "redis", 0)])
     assert stream.synced == 1
     store.read(1, h(1))
     with pytest.raises(ChunkCorrupt):
@@ -109,7 +109,8 @@ def test_store_fetch_asks_the_disk_then_redis_and_writes_redis_chunks_to_disk():
     ledger = Ledger()
     disk, redis = FakeTier(pool, {0}, "disk"), FakeTier(pool, {1, 2}, "redis")
     store = WorkerStore(pool, [disk, redis], b"f" * 16, 0, ledger)
-    store.fetch([(0, h(0), "disk"), (1, h(1), "disk"), (2, h(2), "redis"), (3, h(3), "redis")])
+    store.fetch([(0, h(0), "disk", 0), (1, h(1), "disk", 0), (2, h(2), "redis", 0),
+                 (3, h(3), "redis", 0)])
     assert disk.asked == [0, 1] and redis.asked == [1, 2, 3]
     assert sorted(disk.offloaded) == [1, 2] and redis.offloaded == []
     for slot in (0, 1, 2):

@@ -132,7 +132,7 @@ class BlendWorker:
         main thread."""
         try:
             assert self.store is not None
-            self.store.fetch([(p.slot, p.chunk_hash, p.source)
+            self.store.fetch([(p.slot, p.chunk_hash, p.source, 0)
                               for d in job.docs for p in d.pieces if p.source != "memory"])
         except Exception:  # a failed fetch leaves slots unsealed: those documents recompute
             logger.exception("kvconnector: fetching blend pieces for %s failed", job.req_id)

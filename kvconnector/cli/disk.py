@@ -117,7 +117,7 @@ def check_file(path: Path, chunk_key: str, desc: descriptor.Descriptor | None,
             raise CorruptValue("header_too_long", f"{header_len} bytes")
         header = mv[codec.PREFIX_LEN:codec.PREFIX_LEN + header_len]
         if desc is not None and mac_key is None:
-            expected = desc.expected(chunk_key)
+            expected = desc.expected(chunk_key, codec.unpack_header(header))
         else:
             f = codec.unpack_header(header)
             expected = ExpectedChunk(chunk_key, f["layout"], f["dtype"], tuple(f["shape"]),

@@ -63,7 +63,7 @@ def check_value(chunk_key: str, value: bytes, desc: descriptor.Descriptor | None
         header_len = codec.check_prefix(mv[:codec.PREFIX_LEN], mv.nbytes)
         header = mv[codec.PREFIX_LEN:codec.PREFIX_LEN + header_len]
         if desc is not None and mac_key is None:
-            expected = desc.expected(chunk_key)
+            expected = desc.expected(chunk_key, codec.unpack_header(header))
         else:
             expected = _own_expected(chunk_key, header)
         checked = codec.check_header(header, expected)
@@ -79,8 +79,8 @@ def differs_from(chunk_key: str, value: bytes, desc: descriptor.Descriptor) -> s
     mv = memoryview(value)
     try:
         header_len = codec.check_prefix(mv[:codec.PREFIX_LEN], mv.nbytes)
-        codec.check_header(mv[codec.PREFIX_LEN:codec.PREFIX_LEN + header_len],
-                           desc.expected(chunk_key))
+        header = mv[codec.PREFIX_LEN:codec.PREFIX_LEN + header_len]
+        codec.check_header(header, desc.expected(chunk_key, codec.unpack_header(header)))
     except CorruptValue as c:
         return c.reason
     return None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hmac
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -66,8 +67,16 @@ class Descriptor:
     def namespace(self) -> str:
         return str(self.fingerprint.get("namespace", ""))
 
-    def expected(self, key: str) -> ExpectedChunk:
-        """What an engine of this fingerprint expects of the value under chunk ``key``."""
+    def expected(self, key: str, header: Mapping[str, Any] | None = None) -> ExpectedChunk:
+        """What an engine of this fingerprint expects of the value under chunk ``key``:
+        a whole chunk, or, where the value's ``header`` says it holds a partial chunk (the
+        first tokens of one: fewer along the token axis, dimension 2, nothing else
+        different), that part of one."""
+        shape = tuple(header["shape"]) if header is not None else self.shape
+        if (len(shape) == len(self.shape) >= 3 and 0 < shape[2] < self.shape[2]
+                and shape[:2] == self.shape[:2] and shape[3:] == self.shape[3:]):
+            return ExpectedChunk(key, self.layout, self.dtype, shape,
+                                 self.nbytes // self.shape[2] * shape[2])
         return ExpectedChunk(key, self.layout, self.dtype, self.shape, self.nbytes)
 
     def matches(self, fingerprint_hex: str) -> bool:

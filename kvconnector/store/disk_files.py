@@ -15,9 +15,11 @@ The payload starts on a 4 KiB boundary so that it can be read straight into a sl
 memory starts on a page, store/memory.py) with O_DIRECT: by default, as a single read of
 tens of MiB bypassing the page cache ran 2-7x faster than a buffered one on this project's
 machines (docs/benchmarks.md, "disk tier"); where the file system, the buffer or the
-length does not allow it, the read is buffered. A file is written under a temporary name in its final directory
-(store/disk_space.py reserves it) and renamed into place only when complete: a file under
-a final name is never half written, even when a writer is killed. Bytes can still go bad
+length does not allow it, the read is buffered.
+
+A file is written under a temporary name in its final directory (store/disk_space.py
+reserves it) and renamed into place only when complete: a file under a final name is never
+half written, even when a writer is killed. Bytes can still go bad
 on the device or be swapped by hand: a reader checks the header against the key it
 expects, the file's size, then the checksum (or MAC) of the payload in the slot, and a
 file that fails any check is a miss.

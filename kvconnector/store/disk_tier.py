@@ -23,7 +23,7 @@ from kvconnector.store.codec import REASONS, ExpectedChunk, checksum
 from kvconnector.store.disk_files import FULL_ERRNOS, DiskFiles, descriptor_path, file_size
 from kvconnector.store.disk_space import DiskSpace
 from kvconnector.store.memory import SlotPool
-from kvconnector.store.tiering import PutQueue, expected_chunk
+from kvconnector.store.tiering import PutQueue, SlotBytes
 
 logger = logging.getLogger("kvconnector.store.disk")
 
@@ -52,11 +52,12 @@ class DiskTier:
 
     def __init__(self, root: str | Path, capacity: int, pool: SlotPool, layout_name: str, *,
                  mac_key: bytes | None = None, direct_io: bool = True,
-                 write_threads: int = 1, fingerprint: Fingerprint | None = None) -> None:
+                 write_threads: int = 1, fingerprint: Fingerprint | None = None,
+                 blocks_per_chunk: int = 1) -> None:
         self.files = DiskFiles(root, mac_key=mac_key, direct_io=direct_io)
         self.space = DiskSpace(root, capacity)
         self.pool = pool
-        self.layout_name = layout_name
+        self.bytes = SlotBytes(pool, layout_name, blocks_per_chunk)
         self.counters = DiskCounters()
         self._lock = threading.Lock()
         self._paused_until = 0.0
@@ -65,8 +66,8 @@ class DiskTier:
         self._fingerprint = fingerprint
         self._puts = PutQueue("disk", self._put, threads=write_threads, first=self._scan)
 
-    def expected(self, key: ChunkKey) -> ExpectedChunk:
-        return expected_chunk(self.pool, self.layout_name, key)
+    def expected(self, key: ChunkKey, blocks: int = 0) -> ExpectedChunk:
+        return self.bytes.expected(key, blocks)
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -98,13 +99,15 @@ class DiskTier:
             logger.warning("kvconnector disk: cannot write %s: %s", path, e)
 
     # ---- reads (the copy thread) ----
-    def fetch(self, wanted: Sequence[tuple[int, ChunkKey]]) -> list[bool]:
+    def fetch(self, wanted: Sequence[tuple[int, ChunkKey, int]]) -> list[bool]:
         out = []
-        for slot, key in wanted:
-            expected = self.expected(key)
+        for slot, key, blocks in wanted:
+            expected = self.expected(key, blocks)
             self.pool.begin_write(slot)
-            res = self.files.read_into(key, expected, self.pool.slot_bytes(slot))
+            view, packed = self.bytes.to_receive(slot, blocks)
+            res = self.files.read_into(key, expected, view)
             if res.ok:
+                self.bytes.received(slot, blocks, packed)
                 self.pool.end_write(slot, key, for_redis=False)  # on disk already
                 self.space.touch(self.files.path(key), file_size(expected.nbytes))
                 self._count(hits=1, get_bytes=expected.nbytes)
@@ -123,14 +126,14 @@ class DiskTier:
         return out
 
     # ---- writes (background threads) ----
-    def offload(self, slot: int, key: ChunkKey) -> None:
-        self._puts.offload(slot, key)
+    def offload(self, slot: int, key: ChunkKey, blocks: int = 0) -> None:
+        self._puts.offload(slot, key, blocks)
 
     @property
     def dropped_puts(self) -> int:
         return self._puts.dropped
 
-    def _put(self, slot: int, key: ChunkKey) -> None:
+    def _put(self, slot: int, key: ChunkKey, blocks: int) -> None:
         if time.monotonic() < self._paused_until:
             self._puts.dropped += 1
             return
@@ -138,12 +141,14 @@ class DiskTier:
         if header is None:
             return  # the slot was reused before its turn came
         try:
-            self._write(key, self.pool.slot_bytes(slot), header.checksum)
+            payload, xxh3 = self.bytes.to_send(slot, blocks, header.checksum)
+            self._write(key, payload, xxh3, blocks)
         finally:
             self.pool.end_lease(slot)
 
-    def _write(self, key: ChunkKey, payload: memoryview, xxh3: int | None) -> None:
-        expected = self.expected(key)
+    def _write(self, key: ChunkKey, payload: memoryview, xxh3: int | None,
+               blocks: int = 0) -> None:
+        expected = self.expected(key, blocks)
         final = self.files.path(key)
         size = file_size(expected.nbytes)
         try:

@@ -210,6 +210,14 @@ class SlotPool:
     def slot(self, slot: int) -> torch.Tensor:
         return self.buffer[slot]
 
+    def part(self, slot: int, blocks: int, blocks_per_chunk: int) -> torch.Tensor:
+        """The first ``blocks`` of the ``blocks_per_chunk`` blocks of ``slot``'s chunk, every
+        layer (a strided view; the whole slot for 0): what a partial chunk holds."""
+        chunk = self.buffer[slot]
+        if not blocks:
+            return chunk
+        return chunk.narrow(2, 0, chunk.shape[2] * blocks // blocks_per_chunk)
+
     def slot_bytes(self, slot: int) -> memoryview:
         """The slot's memory as bytes (no copy), for socket I/O."""
         return memoryview(self.buffer[slot].view(torch.uint8).reshape(-1).numpy())

@@ -6,11 +6,14 @@ threads, off the request's critical path. The disk tier (store/disk_tier.py) and
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
+
+import torch
 
 from kvconnector.keys import ChunkKey, Fingerprint
 from kvconnector.store import descriptor
@@ -25,22 +28,58 @@ logger = logging.getLogger("kvconnector.store.tiering")
 MAX_QUEUED_PUTS = 256
 
 
-def expected_chunk(pool: SlotPool, layout_name: str, key: ChunkKey) -> ExpectedChunk:
-    """What a stored copy of ``key`` must say about itself to be read into ``pool``."""
-    return ExpectedChunk(str(key), layout_name, str(pool.buffer.dtype).removeprefix("torch."),
-                         pool.chunk_shape, pool.chunk_bytes)
+class SlotBytes:
+    """The bytes a tier stores for a slot: the whole chunk, or for a partial chunk
+    (``blocks`` > 0) only its first blocks, packed (the tail of a one-block prompt costs a
+    block, not a chunk)."""
+
+    def __init__(self, pool: SlotPool, layout_name: str, blocks_per_chunk: int) -> None:
+        self.pool = pool
+        self.layout_name = layout_name
+        self.blocks_per_chunk = blocks_per_chunk
+
+    def _part(self, slot: int, blocks: int) -> torch.Tensor:
+        return self.pool.part(slot, blocks, self.blocks_per_chunk)
+
+    def expected(self, key: ChunkKey, blocks: int = 0) -> ExpectedChunk:
+        """What a stored copy of ``key`` must say about itself to be read into the pool."""
+        shape = tuple(self._part(0, blocks).shape)
+        nbytes = math.prod(shape) * self.pool.buffer.element_size()
+        return ExpectedChunk(str(key), self.layout_name,
+                             str(self.pool.buffer.dtype).removeprefix("torch."), shape, nbytes)
+
+    def to_send(self, slot: int, blocks: int, xxh3: int | None) -> tuple[memoryview, int | None]:
+        """A leased slot's bytes to store, and their checksum if known (the seal's, for a
+        whole chunk)."""
+        if not blocks:
+            return self.pool.slot_bytes(slot), xxh3
+        packed = self._part(slot, blocks).contiguous()
+        return memoryview(packed.view(torch.uint8).reshape(-1).numpy()), None
+
+    def to_receive(self, slot: int, blocks: int) -> tuple[memoryview, torch.Tensor | None]:
+        """Where to read a stored copy: the slot itself, or for a partial chunk a packed
+        buffer that ``received`` then copies into the slot."""
+        if not blocks:
+            return self.pool.slot_bytes(slot), None
+        packed = torch.empty(self._part(0, blocks).shape, dtype=self.pool.buffer.dtype)
+        return memoryview(packed.view(torch.uint8).reshape(-1).numpy()), packed
+
+    def received(self, slot: int, blocks: int, packed: torch.Tensor | None) -> None:
+        if packed is not None:
+            self._part(slot, blocks).copy_(packed)
 
 
 class LowerTier(Protocol):
     name: str  # "disk" | "redis": the tier's label in counters and metrics
 
-    def fetch(self, wanted: Sequence[tuple[int, ChunkKey]]) -> list[bool]:
-        """Fill and seal each ``(slot, key)``; which arrived intact. A slot that did not
-        stays unsealed, so a load of it reports an error."""
+    def fetch(self, wanted: Sequence[tuple[int, ChunkKey, int]]) -> list[bool]:
+        """Fill and seal each ``(slot, key, blocks)`` (``blocks``: of a partial chunk, or
+        0); which arrived intact. A slot that did not stays unsealed, so a load of it
+        reports an error."""
         ...
 
-    def offload(self, slot: int, key: ChunkKey) -> None:
-        """Queue a copy of a sealed slot; never waits."""
+    def offload(self, slot: int, key: ChunkKey, blocks: int = 0) -> None:
+        """Queue a copy of a sealed slot (of its first ``blocks`` blocks); never waits."""
         ...
 
     @property
@@ -56,13 +95,13 @@ class PutQueue:
     threads. A full queue drops the copy (a later miss), as does a stopping engine.
     ``first`` runs on one thread before any copy (the disk tier's scan)."""
 
-    def __init__(self, name: str, put: Callable[[int, ChunkKey], None], threads: int = 1,
+    def __init__(self, name: str, put: Callable[[int, ChunkKey, int], None], threads: int = 1,
                  first: Callable[[], None] | None = None,
                  max_queued: int = MAX_QUEUED_PUTS) -> None:
         self.name = name
         self.dropped = 0
         self._put = put
-        self._queue: queue.Queue[tuple[int, ChunkKey] | None] = queue.Queue(max_queued)
+        self._queue: queue.Queue[tuple[int, ChunkKey, int] | None] = queue.Queue(max_queued)
         self._ready = threading.Event()
         self._threads = [threading.Thread(target=self._loop, args=(first if i == 0 else None,),
                                           name=f"kvconnector-{name}-put", daemon=True)
@@ -72,9 +111,9 @@ class PutQueue:
         for t in self._threads:
             t.start()
 
-    def offload(self, slot: int, key: ChunkKey) -> None:
+    def offload(self, slot: int, key: ChunkKey, blocks: int = 0) -> None:
         try:
-            self._queue.put_nowait((slot, key))
+            self._queue.put_nowait((slot, key, blocks))
         except queue.Full:
             self.dropped += 1
 
@@ -139,10 +178,10 @@ class RedisTier:
     name = "redis"
 
     def __init__(self, redis: RedisStore, pool: SlotPool, layout_name: str,
-                 fingerprint: Fingerprint | None = None) -> None:
+                 fingerprint: Fingerprint | None = None, blocks_per_chunk: int = 1) -> None:
         self.redis = redis
         self.pool = pool
-        self.layout_name = layout_name
+        self.bytes = SlotBytes(pool, layout_name, blocks_per_chunk)
         # The descriptor (store/descriptor.py) goes out with a put, at least every refresh.
         self._fingerprint = fingerprint
         self._descriptor_due = 0.0
@@ -150,40 +189,44 @@ class RedisTier:
         self._descriptor_every = min(descriptor.REFRESH_S, (redis.ttl_s or float("inf")) / 2)
         self._puts = PutQueue("redis", self._put)
 
-    def expected(self, key: ChunkKey) -> ExpectedChunk:
-        return expected_chunk(self.pool, self.layout_name, key)
+    def expected(self, key: ChunkKey, blocks: int = 0) -> ExpectedChunk:
+        return self.bytes.expected(key, blocks)
 
-    def fetch(self, wanted: Sequence[tuple[int, ChunkKey]]) -> list[bool]:
-        """Fill and seal each ``(slot, key)`` from Redis in one pipeline."""
-        for slot, _ in wanted:
+    def fetch(self, wanted: Sequence[tuple[int, ChunkKey, int]]) -> list[bool]:
+        """Fill and seal each ``(slot, key, blocks)`` from Redis in one pipeline."""
+        for slot, _, _ in wanted:
             self.pool.begin_write(slot)
-        keys = [k for _, k in wanted]
-        got = self.redis.get_many(keys, [self.expected(k) for k in keys],
-                                  out=[self.pool.slot_bytes(s) for s, _ in wanted])
-        for (slot, key), payload in zip(wanted, got, strict=True):
+        into = [self.bytes.to_receive(slot, blocks) for slot, _, blocks in wanted]
+        got = self.redis.get_many([k for _, k, _ in wanted],
+                                  [self.expected(k, b) for _, k, b in wanted],
+                                  out=[view for view, _ in into])
+        for (slot, key, blocks), payload, (_, packed) in zip(wanted, got, into, strict=True):
             if payload is not None:  # checked by the codec (checksum or MAC) before this
+                self.bytes.received(slot, blocks, packed)
                 self.pool.end_write(slot, key, for_redis=False)  # Redis holds it
         return [p is not None for p in got]
 
-    def offload(self, slot: int, key: ChunkKey) -> None:
-        self._puts.offload(slot, key)
+    def offload(self, slot: int, key: ChunkKey, blocks: int = 0) -> None:
+        self._puts.offload(slot, key, blocks)
 
     @property
     def dropped_puts(self) -> int:
         return self._puts.dropped
 
-    def _put(self, slot: int, key: ChunkKey) -> None:
+    def _put(self, slot: int, key: ChunkKey, blocks: int) -> None:
         header = self.pool.lease(slot, key)
         if header is None:
             return  # the slot was reused before its turn came: nothing to copy
         try:
-            if header.checksum is not None:
-                self._send(key, self.pool.slot_bytes(slot), header.checksum)
+            if header.checksum is not None:  # else it came from Redis: Redis holds it
+                payload, xxh3 = self.bytes.to_send(slot, blocks, header.checksum)
+                self._send(key, blocks, payload, xxh3)
         finally:
             self.pool.end_lease(slot)
 
-    def _send(self, key: ChunkKey, payload: memoryview, xxh3: int) -> None:
-        prefix = encode_header(self.expected(key), payload, xxh3=xxh3,
+    def _send(self, key: ChunkKey, blocks: int, payload: memoryview,
+              xxh3: int | None) -> None:
+        prefix = encode_header(self.expected(key, blocks), payload, xxh3=xxh3,
                                mac_key=self.redis.mac_key)
         items = [(key, prefix, payload)]
         now = time.monotonic()

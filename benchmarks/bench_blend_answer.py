@@ -32,12 +32,12 @@ from common import ROOT, pyplot, write_results
 
 sys.path.insert(0, str(ROOT))
 
-from kvconnector.blend import recompute  # noqa: E402
 from kvconnector.blend.families import Geometry  # noqa: E402
 from kvconnector.blend.pages import TokenPages  # noqa: E402
 from kvconnector.blend.plan import BlendJob  # noqa: E402
 from kvconnector.blend.recompute import LoadedPiece, Sources, attend, run_blend  # noqa: E402
 from kvconnector.blend.segments import find_segments  # noqa: E402
+from kvconnector.blend.strategies import attention  # noqa: E402
 from kvconnector.layout import describe  # noqa: E402
 from tests import blend_quality  # noqa: E402
 from tests.blend_models import build_model, tiny_tokenizer_dir  # noqa: E402
@@ -182,11 +182,11 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=3, help="layers of the peaked test model "
                    "(3: the one bench_blend.py and the quality test use)")
     p.add_argument("--window", type=int, default=None, help="prompt tokens whose queries pick "
-                   f"the tokens (attention; default {recompute.QUERY_WINDOW})")
+                   f"the tokens (attention; default {attention.QUERY_WINDOW})")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.window is not None:
-        recompute.QUERY_WINDOW = args.window
+        attention.QUERY_WINDOW = args.window
     cache = ROOT / ".cache"
     name = "tiny-llama-peaked" + ("" if args.layers == 3 else f"-l{args.layers}")
     path = build_model(cache / name, tiny_tokenizer_dir(cache), arch="llama",
@@ -220,7 +220,7 @@ def main() -> None:
     if max(by_pos["ratio 1.0"]) > 1e-3:
         raise SystemExit("ratio 1.0 is not full prefill: this harness is broken")
     out = write_results(args.out, "blend_answer", {
-        "model": path, "layers": args.layers, "window": recompute.QUERY_WINDOW,
+        "model": path, "layers": args.layers, "window": attention.QUERY_WINDOW,
         "trials": args.trials, "seed": args.seed, "block_size": BLOCK,
         "kl_by_position": by_pos, "kl_by_group": groups})
     print(f"results: {out}")

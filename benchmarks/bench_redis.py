@@ -13,7 +13,23 @@ For each value size and pipeline depth it measures, in the same run:
   worker's call); its payload is the same size, without the ~150-byte codec header;
 * ``raw-socket``: the floor for Python: commands packed before the clock starts, written
   with sendall, replies read with recv_into into one reused buffer (no checks);
-* ``redis-py``: redis-py's own pipeline (``Pipeline.set``/``get``), for reference.
+* ``redis-py``: redis-py's own pipeline (``Pipeline.set``/``get``), for reference;
+* ``public``: what the store would do through redis-py's public API alone (issue 22): SETs of
+  the codec header + payload joined into one value (a SET value is one argument: the join
+  is a copy the hand-written path does not make) with ``conn.pack_command`` /
+  ``pack_commands`` and ``conn.send_packed_command`` (pipelined at depth > 1), GETs the
+  same way then ``conn.read_response`` and ``codec.parse`` (a new bytes per value; the
+  public API cannot read a reply into a caller's buffer, so ``get-out`` copies the payload
+  there), on one connection held for the run, as the store holds its own. With hiredis
+  installed (the ``redis`` extra) redis-py packs with hiredis, which copies every argument
+  into one command buffer (a memoryview through ``bytes()`` first);
+* ``public-tuned``: the same with the public constructor arguments that help:
+  ``command_packer=redis.connection.PythonRespSerializer(...)`` (passes arguments over
+  6000 bytes, and memoryviews, through uncopied) and ``socket_read_size`` of 1 MiB (the
+  reply parser reads 64 KiB per ``recv_into`` by default).
+
+``public/store`` is public / store at the same size and depth (the better of the two public
+paths per operation).
 
 ``ratio`` is store / redis-benchmark at the same size and depth (goal: >= 0.8). If no
 redis-benchmark binary is found (PATH, then next to the redis-server in use), the ratio is
@@ -237,6 +253,51 @@ def bench_redis_py(url: str, size: int, depth: int, seconds: float) -> dict:
         r.close()
 
 
+# ---- redis-py's public API, as the store would use it ---------------------------------
+
+def _encode(arg) -> bytes | memoryview:
+    return arg if isinstance(arg, (bytes, memoryview)) else str(arg).encode()
+
+
+def bench_public(url: str, size: int, depth: int, seconds: float, tuned: bool) -> dict:
+    kw: dict = {"protocol": 2, "health_check_interval": 0}
+    if tuned:
+        kw.update(command_packer=redis.connection.PythonRespSerializer(6000, _encode),
+                  socket_read_size=1 << 20)
+    r = redis.Redis.from_url(url, **kw)
+    conn = r.connection_pool.get_connection()
+    try:
+        chunks = []
+        for i in range(depth):
+            payload = os.urandom(size)
+            exp = codec.ExpectedChunk(f"{'ef' * 16}:0:{i:032x}", "chunk", "uint8", (size,), size)
+            chunks.append((b"pub:%d" % i, exp, codec.encode_header(exp, payload),
+                           memoryview(payload)))
+        outs = [memoryview(bytearray(size)) for _ in range(depth)]
+
+        def send(cmds: list[tuple]) -> None:
+            packed = conn.pack_command(*cmds[0]) if len(cmds) == 1 else conn.pack_commands(cmds)
+            conn.send_packed_command(packed, check_health=False)
+
+        def put():
+            # A SET's value is one argument: header and payload joined (a copy).
+            send([("SET", k, b"".join((h, p))) for k, _, h, p in chunks])
+            assert all(conn.read_response() == b"OK" for _ in chunks)
+
+        def get(into: bool) -> None:
+            send([("GET", k) for k, _, _, _ in chunks])
+            for i, (_, exp, _, _) in enumerate(chunks):
+                payload = codec.parse(conn.read_response(), exp)
+                if into:
+                    outs[i][:size] = payload
+
+        return {"put": timed(put, depth, seconds), "get": timed(lambda: get(False), depth, seconds),
+                "get-out": timed(lambda: get(True), depth, seconds)}
+    finally:
+        r.connection_pool.release(conn)
+        r.close()
+
+
 # ---- main ------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5,
                     help="interleaved rounds per case; the table shows medians")
     ap.add_argument("--no-redis-py", action="store_true", help="skip the redis-py reference")
+    ap.add_argument("--no-public", action="store_true",
+                    help="skip the public-API paths (public, public-tuned)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
 
@@ -280,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
                     one["raw-socket"] = bench_raw_socket(url, size, depth, args.seconds)
                     if not args.no_redis_py:
                         one["redis-py"] = bench_redis_py(url, size, depth, args.seconds)
+                    if not args.no_public:
+                        for name, tuned in (("public", False), ("public-tuned", True)):
+                            one[name] = bench_public(url, size, depth, args.seconds, tuned)
                 if bench_bin and not args.cluster:
                     rough = max(one["store"]["put"], one["store"]["get"]) * size / 1e9
                     try:
@@ -304,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
                             if base.get(op)}
             if base.get("get"):
                 row["ratio"]["get-out"] = row["store"]["get-out"] / base["get"]
+            if "public" in row:
+                row["public/store"] = {
+                    op: max(row[p][op] for p in ("public", "public-tuned")) / row["store"][op]
+                    for op in ("put", "get", "get-out")}
             results.append(row)
         exists_rate = bench_exists(url, args.seconds, args.cluster)
         if bar:
@@ -332,9 +402,9 @@ def print_table(report: dict) -> None:
     m = report["machine"]
     print(f"\nredis-server {m['redis_server']}, redis-py {m['redis_py']}, {m['cpus']} CPUs, "
           f"redis-benchmark: {m['redis_benchmark'] or 'NOT FOUND (baseline: raw-socket)'}")
-    cols = ["store", "redis-benchmark", "raw-socket", "redis-py"]
+    cols = ["store", "public", "public-tuned", "redis-benchmark", "raw-socket", "redis-py"]
     head = f"{'size':>8} {'depth':>5} {'op':<7}" + "".join(f"{c:>22}" for c in cols) + \
-        f"{'ratio':>8}"
+        f"{'ratio':>8}{'public/store':>13}"
     print(head)
     print("-" * len(head))
     for row in report["results"]:
@@ -343,16 +413,20 @@ def print_table(report: dict) -> None:
             cells = []
             for c in cols:
                 src = row.get(c, {})
-                rate = src.get(op if c == "store" else ("get" if op == "get-out" else op))
-                if c != "store" and op == "get-out":
+                own = c in ("store", "public", "public-tuned")  # these measure get-out
+                rate = src.get(op if own else ("get" if op == "get-out" else op))
+                if not own and op == "get-out":
                     rate = None
                 cells.append(f"{rate:>9.0f}/s {rate * size / 1e9:6.2f}GB/s" if rate
                              else f"{'-':>22}")
             ratio = row["ratio"].get(op)
+            public = row.get("public/store", {}).get(op)
             print(f"{human(size):>8} {row['depth']:>5} {op:<7}" + "".join(f"{c:>22}" for c in cells)
-                  + (f"{ratio:>8.2f}" if ratio else f"{'-':>8}"))
+                  + (f"{ratio:>8.2f}" if ratio else f"{'-':>8}")
+                  + (f"{public:>13.2f}" if public else f"{'-':>13}"))
     print(f"\nmedians of {report['rounds']} interleaved rounds; "
           f"ratio = store / {report['results'][0]['baseline']} (same size and depth); "
+          f"public/store = the better public path / store; "
           f"exists_prefix(64 keys): {report['exists_prefix_64_keys_per_s']:.0f} calls/s")
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Collection
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
@@ -68,7 +69,7 @@ class Setting:
     kind: str
     doc: str = ""
     lo: int = 0
-    choices: tuple[str, ...] = ()
+    choices: Collection[str] = ()  # url: a tuple; choice: read at each check (a registry)
     pattern: str = r"(?s).*"
     expected: str = ""
     optional: bool = False  # None keeps the default

@@ -9,17 +9,15 @@ import math
 import pytest
 import torch
 
+from kvconnector.blend.config import BlendConfig
+from kvconnector.blend.cost import compute_share
 from kvconnector.blend.families import Geometry
 from kvconnector.blend.pages import TokenPages
 from kvconnector.blend.plan import BlendJob
-from kvconnector.blend.recompute import (
-    QUERY_WINDOW,
-    LoadedPiece,
-    Sources,
-    attend,
-    attention_mass,
-    run_blend,
-)
+from kvconnector.blend.recompute import LoadedPiece, Sources, attend, run_blend
+from kvconnector.blend.strategies import STRATEGIES, Check, Strategy, register
+from kvconnector.blend.strategies.attention import QUERY_WINDOW, attention_mass
+from kvconnector.config import ConfigError, ConnectorConfig
 from kvconnector.layout import describe
 
 LAYERS, HEADS, KV_HEADS, D, HIDDEN, VOCAB, BLOCK = 3, 4, 2, 8, 32, 50, 16
@@ -203,3 +201,75 @@ def test_attention_mass_is_causal_attention_summed_over_queries_and_heads():
                 want[keys] += s
         assert torch.allclose(got, want, atol=1e-6)
         assert got.sum().item() == pytest.approx(3 * 4, abs=1e-4)
+
+
+# ---- a strategy of one's own (blend/strategies/) ----
+
+FIXED = range(24, 36)  # range rows, inside the loaded document at either range start
+
+
+class _Fixed(Strategy):
+    """A fixed set, computed from layer 0 like epic's; no check layer."""
+
+    name = "test-fixed"
+
+    def first(self, knobs, must, heads):
+        mask = must.clone()
+        mask[FIXED.start:FIXED.stop] = True
+        return mask
+
+    def checks(self, knobs, num_layers, loaded):
+        return {}
+
+
+class _Latest(Strategy):
+    """A picking strategy: at the check layer, the loaded tokens nearest the question."""
+
+    name = "test-latest"
+
+    def score(self, at: Check) -> torch.Tensor:
+        assert at.tail is None and at.loaded.shape[1] > at.active.max()
+        return at.positions.double()
+
+
+@pytest.fixture
+def registered():
+    """The toy strategies registered the way a strategy's file registers itself."""
+    register(_Fixed)
+    register(_Latest)
+    yield
+    for name in (_Fixed.name, _Latest.name):
+        del STRATEGIES[name]
+
+
+@pytest.mark.parametrize("start", [0, 16])
+def test_a_registered_strategy_is_a_config_choice_and_picks_the_tokens(registered, start):
+    cfg = ConnectorConfig.from_extra_config({"blend": True, "blend_strategy": "test-fixed"})
+    assert cfg.blending.strategy == "test-fixed"
+    assert BlendConfig(enabled=True).for_request(
+        {"blend_strategy": "test-latest"}).strategy == "test-latest"
+    assert 0 < compute_share(cfg.blending, LAYERS, 200, 100, 1) < 1
+    _, _, ref, _, _, pages, stored, job, result = _blend("test-fixed", 0.2, start)
+    outside = set(range(start, job.end)) - set(range(*DOC))
+    exact = set((_exact(pages, ref, 0, job).nonzero().squeeze(1) + start).tolist())
+    fixed = {start + r for r in FIXED}
+    assert exact == outside | fixed  # computed from layer 0: its pick and the rest
+    assert result.recomputed == len(outside) + len(fixed)
+    rest = sorted(set(range(*DOC)) - fixed)  # the loaded K/V, at every layer
+    got = pages.read(LAYERS - 1, pages.kernel_ids(BLOCKS))
+    assert torch.equal(got[:, rest], stored[LAYERS - 1][:, [t - DOC[0] for t in rest]])
+    _, _, ref, _, _, pages, _, job, result = _blend("test-latest", 0.2, start)
+    n_pick = math.ceil(0.2 * (DOC[1] - DOC[0]))
+    exact = set((_exact(pages, ref, 2, job).nonzero().squeeze(1) + start).tolist())
+    assert exact == outside | set(range(DOC[1] - n_pick, DOC[1]))
+    assert result.recomputed == len(outside) + n_pick
+
+
+def test_an_unknown_strategy_is_refused_naming_the_key_and_the_choices(registered):
+    with pytest.raises(ConfigError, match=r"blend_strategy: expected one of \['attention', "
+                                          r"'cacheblend', 'epic', 'test-fixed', 'test-latest'\], "
+                                          r"got 'nope'"):
+        ConnectorConfig.from_extra_config({"blend": True, "blend_strategy": "nope"})
+    assert BlendConfig().for_request({"blend_strategy": "nope"}).strategy == "attention"
+    with pytest.raises(ValueError, match="a name of its own"):
+        register(_Fixed)

@@ -8,5 +8,6 @@
     pages.py       token-granular K/V access to vLLM's paged KV tensors (CPU and GPU)
     families.py    the model families blend can run, over vLLM's own modules
     recompute.py   the selective recompute itself
+    strategies/    which loaded tokens it recomputes: one file per strategy, a registry
     worker.py      worker half: runs blends and document saves
 """

@@ -8,11 +8,10 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvconnector.blend.strategies import STRATEGIES
 from kvconnector.config_schema import ConfigError, parse, setting, settings
 
 logger = logging.getLogger("kvconnector.blend.config")
-
-STRATEGIES = ("cacheblend", "attention", "epic")
 
 
 class BlendConfigError(ConfigError):
@@ -42,7 +41,8 @@ class BlendConfig:
         "attention", "choice", '"attention" (the reused tokens the prompt\'s last tokens '
         'attend to most at the check layer), "cacheblend" (the paper\'s: those whose K/V '
         'deviates most there) or "epic" (the first ``epic_tokens`` of every reused '
-        "document).", choices=STRATEGIES, request=True)
+        "document); or a strategy registered in blend/strategies/.", choices=STRATEGIES,
+        request=True)
     epic_tokens: int = setting(
         32, "int", "Tokens recomputed at the start of each document (epic).", request=True)
     min_tokens: int = setting(

@@ -1,8 +1,9 @@
 """Whether blending a request pays: its compute against full prefill's, estimated from the
 layer count, the strategy and how much of the prompt stored documents cover.
 
-Blend computes every token up to the check layer, then the picked share of the loaded
-tokens through the remaining layers; tokens no document covers go through every layer.
+Tokens no document covers go through every layer; how far the loaded ones go is the
+strategy's estimate (``Strategy.loaded_work``): for a picking strategy, every token up to
+the check layer, then the picked share through the remaining layers.
 Its own work outside vLLM's forward pass (loading, re-rotation, selection) comes on top:
 measured at 0.1-0.15 of full prefill's time (docs/blend.md), which is why a request whose
 estimate comes near full prefill is served as usual.
@@ -11,6 +12,7 @@ estimate comes near full prefill is served as usual.
 from __future__ import annotations
 
 from kvconnector.blend.config import BlendConfig
+from kvconnector.blend.strategies import STRATEGIES
 
 
 def compute_share(config: BlendConfig, num_layers: int, prompt_tokens: int,
@@ -21,19 +23,6 @@ def compute_share(config: BlendConfig, num_layers: int, prompt_tokens: int,
     if prompt_tokens <= 0:
         return 1.0
     loaded = min(loaded_tokens, prompt_tokens)
-    if config.strategy == "epic":
-        per_loaded = min(1.0, config.epic_tokens * loaded_docs / loaded) if loaded else 1.0
-    elif config.recompute_ratio == 0:
-        per_loaded = 0.0
-    else:
-        dense = min(config.check_layer, num_layers - 1) + 1  # every token up to the check
-        sinks = config.sink_tokens * loaded_docs / loaded if loaded else 0.0
-        picked = min(1.0, config.recompute_ratio + sinks)
-        refine = min(config.refine_layer, num_layers - 1) + 1
-        if refine > dense and config.refine_ratio < config.recompute_ratio:
-            narrow = min(1.0, config.refine_ratio + sinks)
-            layers = dense + picked * (refine - dense) + narrow * (num_layers - refine)
-        else:
-            layers = dense + picked * (num_layers - dense)
-        per_loaded = layers / num_layers
+    per_loaded = STRATEGIES[config.strategy].loaded_work(config, num_layers, loaded,
+                                                         loaded_docs)
     return (prompt_tokens - loaded + loaded * per_loaded) / prompt_tokens

@@ -5,21 +5,19 @@ exact context):
 
 - every token that no loaded document covers (separators, documents not in the store, the
   start of the question) is recomputed at every layer;
-- "cacheblend": layers below the check layer are computed for every token; at the check
-  layer the fresh K/V of every token is compared with its loaded (re-rotated) K/V, and the
-  ``ratio`` share of loaded tokens that deviate most join the recomputed set (ratio 0 is
-  full reuse: no check layer, nothing else recomputed);
-- "attention": as cacheblend, but the tokens picked at the check layer are those the
-  prompt's last ``QUERY_WINDOW`` tokens attend to most (their attention summed over
-  queries and heads): the KV the question and the answer will read. The prompt's tail
-  after the range is computed up to the check layer for these queries only, never written;
-- with ``sink_tokens``, the first tokens of every loaded document join the attention or
-  cacheblend pick on top of the ratio;
+- the request's strategy (blend/strategies/) says which other tokens are computed from
+  layer 0 ("epic": each document's first tokens) and at which check layers it picks: there
+  it scores the tokens still computed ("cacheblend": K/V deviation from the loaded;
+  "attention": the attention of the prompt's last queries, the prompt's tail after the
+  range being carried up to the last check layer for them, never written), and the
+  ``ratio`` share of loaded tokens it scores highest go on (ratio 0 is full reuse: no
+  check layer, nothing else recomputed);
+- with ``sink_tokens``, the first tokens of every loaded document join the pick on top of
+  the ratio;
 - with a ``refine_layer`` after the check layer (gradual filtering, as in the CacheBlend
   paper), the picked tokens are scored again there by the same strategy and narrowed to
   the ``refine_ratio`` share: the first pick is made wide, at a shallow layer, the second
-  at a layer whose attention says more;
-- "epic": the first ``epic_tokens`` tokens of every loaded document join it, from layer 0.
+  at a layer whose attention says more.
 
 From then on only the recomputed tokens are carried through the layers; their queries
 attend over every key of the request (loaded or fresh), and their fresh K/V replace the
@@ -45,15 +43,11 @@ from kvconnector.blend.families import BlendLayer, BlendModel
 from kvconnector.blend.pages import TokenPages
 from kvconnector.blend.plan import BlendJob
 from kvconnector.blend.rope import ReRotator
+from kvconnector.blend.strategies import STRATEGIES, Check
 
 # Attention scores materialised per query chunk (elements): bounds the blend's memory.
 _SCORE_ELEMENTS = 1 << 24
 _SPAN = 512  # positions covered by one chunk of queries
-#: Prompt tokens whose queries pick the recomputed tokens ("attention"); a prompt's last
-#: tokens stand for the answer's queries. On the test models 1 to 8 are within 0.03 on the
-#: first token and the whole answer, 16 and more worse (docs/benchmarks.md section 7); a
-#: few queries are kept as a steadier signal than one.
-QUERY_WINDOW = 8
 
 
 @dataclass
@@ -139,21 +133,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     return out.reshape(a, hq * d)
 
 
-def attention_mass(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, scale: float,
-                   window: int | None) -> torch.Tensor:
-    """``[T]``: the causal attention that queries ``[A, Hq, D]`` at positions ``q_pos``
-    pay each key of ``[T, Hkv, D]`` (positions ``0 .. T-1``), summed over queries and
-    heads."""
-    hq, hkv = q.shape[1], k.shape[1]
-    kk = k.float().repeat_interleave(hq // hkv, 1)
-    scores = torch.einsum("ahd,thd->hat", q.float(), kk) * scale
-    k_pos = torch.arange(k.shape[0], device=q.device)
-    mask = k_pos[None] <= q_pos[:, None]
-    if window is not None:
-        mask &= (q_pos[:, None] - k_pos[None]) < window
-    return scores.masked_fill(~mask, -math.inf).softmax(-1).sum((0, 1))
-
-
 @dataclass
 class BlendResult:
     tokens: int  # the range
@@ -168,9 +147,9 @@ PagedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
 
 
 class _Tail:
-    """The prompt's tokens after the range, carried up to the check layer only so that the
-    prompt's last queries can pick the tokens to recompute ("attention"); their K/V is
-    never written (vLLM computes these tokens itself)."""
+    """The prompt's tokens after the range, carried up to the last check layer only so
+    that the prompt's last queries can pick the tokens to recompute (a strategy's
+    ``needs_tail``); their K/V is never written (vLLM computes these tokens itself)."""
 
     def __init__(self, model: BlendModel, job: BlendJob) -> None:
         dev = model.device
@@ -198,15 +177,6 @@ class _Tail:
         keys = torch.cat([p[0] for p in parts] + [kv[0], self.k])
         return keys, torch.cat([p[1] for p in parts] + [kv[1], self.v])
 
-    def mass(self, q: torch.Tensor, q_pos: torch.Tensor, ctx: torch.Tensor | None,
-             kv: torch.Tensor, start: int, scale: float, window: int | None) -> torch.Tensor:
-        """Per range token: the attention the prompt's last ``QUERY_WINDOW`` queries (of
-        the range's ``q`` at ``q_pos``, then the tail's) pay it."""
-        wq = torch.cat([q, self.q])[-QUERY_WINDOW:]
-        wpos = torch.cat([q_pos, self.pos])[-QUERY_WINDOW:]
-        keys, _ = self.keys(ctx, kv)
-        return attention_mass(wq, wpos, keys, scale, window)[start:start + kv.shape[1]]
-
 
 def run_blend(model: BlendModel, pages: TokenPages, job: BlendJob, sources: Sources,
               block_size: int, paged: PagedAttention | None = None) -> BlendResult:
@@ -222,22 +192,12 @@ def run_blend(model: BlendModel, pages: TokenPages, job: BlendJob, sources: Sour
     table = pages.kernel_ids(job.block_ids[:job.end // block_size]).to(torch.int32)
     must = ~sources.has_kv
     n_loaded = n - int(must.sum())
-    checks: dict[int, float] = {}  # layer -> share of the loaded tokens kept from there on
-    if job.strategy == "epic":
-        active = (must | sources.doc_heads(job.epic_tokens)).nonzero().squeeze(1)
-    elif job.recompute_ratio == 0:  # full reuse: only what nothing covers
-        active = must.nonzero().squeeze(1)
-    else:
-        active = torch.arange(n, device=dev)
-        if job.recompute_ratio < 1 and n_loaded:
-            first = min(job.check_layer, g.num_layers - 1)
-            checks[first] = job.recompute_ratio
-            refine = min(job.refine_layer, g.num_layers - 1)
-            if refine > first and job.refine_ratio < job.recompute_ratio:
-                checks[refine] = job.refine_ratio  # gradual filtering: narrow the pick
+    strategy = STRATEGIES[job.strategy]
+    active = strategy.first(job, must, sources.doc_heads).nonzero().squeeze(1)
+    checks = strategy.checks(job, g.num_layers, n_loaded)  # layer -> share kept from there
     last_check = max(checks, default=None)
     forced = must | sources.doc_heads(job.sink_tokens) if job.sink_tokens else must
-    tail = _Tail(model, job) if checks and job.strategy == "attention" else None
+    tail = _Tail(model, job) if checks and strategy.needs_tail else None
     h = model.embed(tokens[active]) if active.numel() else None
     residual: torch.Tensor | None = None
     last = g.num_layers - 1
@@ -248,19 +208,16 @@ def run_blend(model: BlendModel, pages: TokenPages, job: BlendJob, sources: Sour
             continue
         x, residual = layer.norm_in(h, residual)
         q, k, v = layer.qkv(x, positions[active])
-        if li in checks and job.strategy == "cacheblend":  # deviation from the loaded K/V
-            score = ((k.float() - kv[0, active].float()) ** 2).sum((1, 2)) + (
-                (v.float() - kv[1, active].float()) ** 2).sum((1, 2))
-        kv[0, active], kv[1, active] = k, v
-        pages.write(li, range_ids, kv)
         ctx = pages.read(li, ctx_ids) if tail is not None and job.start else None
         if tail is not None:
             tail.qkv(layer)
-            if li in checks:
-                score = tail.mass(q, positions[active], ctx, kv, job.start, g.scale,
-                                  g.sliding_window)[active]
-            if li != last_check:
-                tail.attend(layer, ctx, kv, g.scale, g.sliding_window)
+        if li in checks:  # scored before the fresh K/V replace the loaded
+            score = strategy.score(Check(active, q, k, v, positions[active], kv, job.start,
+                                         g.scale, g.sliding_window, ctx, tail))
+        kv[0, active], kv[1, active] = k, v
+        pages.write(li, range_ids, kv)
+        if tail is not None and li != last_check:
+            tail.attend(layer, ctx, kv, g.scale, g.sliding_window)
         if li in checks:  # keep the forced tokens and the top share of the loaded ones
             keep = forced[active]
             score[keep] = math.inf

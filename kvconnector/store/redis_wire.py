@@ -2,13 +2,26 @@
 
 redis-py manages the connections (URL parsing, AUTH, SELECT, TLS, unix sockets, the pool,
 the cluster's slot map). The commands themselves are written and read here, straight on
-the connection's socket:
+the connection's socket (redis-py's private ``Connection._sock``, reached in
+redis_connections.py: hence ``redis<9`` in pyproject.toml):
 
 * a SET is sent as its RESP prefix, the codec header and the caller's payload buffer,
   with ``sendmsg`` (scatter-gather): a 32 MiB payload is never joined with its header or
-  copied into a command buffer, which redis-py's packer does for every value;
+  copied into a command buffer;
 * a GET reply is read with ``recv_into`` straight into a buffer of the payload's size (or
   one the caller passes in ``out``), after the header has been checked.
+
+Why not redis-py's public API (``pack_command``/``pack_commands`` + ``send_packed_command``,
+``read_response``): a SET's value is one argument, so header and payload must be joined (a
+copy of every value); with hiredis installed redis-py packs with hiredis, which copies every
+argument again (``command_packer=PythonRespSerializer(...)`` passes large ones through);
+a GET comes back as a new bytes through the parser's buffer, and nothing public reads a reply
+into a caller's buffer. Measured 2026-11-25 (benchmarks/bench_redis.py, docs/benchmarks.md
+section 4; 2-core VM, redis-py 8.1.0 with hiredis 3.5.0, redis-server 6.2.14 on loopback),
+the public API at its best against this path: 0.65-0.67 of its puts and 0.50-0.67 of its
+gets (0.46-0.55 into caller buffers) for 32 MiB values (a Mistral-7B chunk); for 2 MiB,
+puts 0.49 (8 per call) to 0.93, gets into caller buffers 0.75-0.77. For 64 KiB values it was
+as fast (0.94-1.35): this code earns its place for large values only.
 
 Connections speak RESP2.
 """

@@ -51,13 +51,30 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--engines", type=int, default=3, help="fresh engines per configuration")
     p.add_argument("--rounds-per-engine", type=int, default=2)
+    p.add_argument("--disk", action="store_true",
+                   help="a disk tier behind memory (a temporary directory under .cache)")
     args = p.parse_args()
+    if args.disk:
+        import tempfile
+
+        from common import ROOT
+
+        (ROOT / ".cache").mkdir(exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=ROOT / ".cache", prefix="bench-miss-disk-") as d:
+            bench(args, d)
+    else:
+        bench(args, None)
+
+
+def bench(args, disk_path: str | None) -> None:
     from tqdm import tqdm
 
     model, vocab = resolve_model(args)
     extra = {"memory_capacity": args.memory_capacity}
     if args.redis_url:
         extra["redis_url"] = args.redis_url
+    if disk_path is not None:
+        extra["disk_path"] = disk_path
     configs = {"no connector": None, "connector (all misses)": connector(extra)}
     tput: dict[str, list[float]] = {n: [] for n in configs}
     order = [name for _ in range(args.engines) for name in configs]
@@ -73,7 +90,9 @@ def main() -> None:
     change = f"{(1 - ratio) * 100:.1f}% slower" if ratio < 1 else f"{(ratio - 1) * 100:.1f}% faster"
     print(f"  connector / none: {ratio:.3f} ({change}; goal: at most 3% slower)")
     out = write_results(args.out, "miss_overhead", {
-        "model": model, "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
+        "model": model, "tiers": ["memory"] + (["disk"] if disk_path else [])
+        + (["redis"] if args.redis_url else []), "prompts": args.prompts,
+        "prompt_tokens": args.prompt_tokens,
         "output_tokens": args.output_tokens, "tokens_per_s": tput, "median": med,
         "ratio": ratio})
     print(f"results: {out}")

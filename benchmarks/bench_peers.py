@@ -12,7 +12,10 @@ Every configuration runs in its own fresh process, on the same prompts, one afte
 * ``ExampleConnector``: vLLM's example connector (safetensors files in a temporary folder);
 * ``kvconnector memory``: the second request of a prompt loads it from host memory;
 * ``kvconnector redis``: a second engine, with an empty memory tier, loads what a first
-  engine wrote to a local redis-server.
+  engine wrote to a local redis-server;
+* ``kvconnector disk``: a second engine, with an empty memory tier, loads what a first
+  engine wrote to its disk tier (a directory under the repository's ``.cache``), the files'
+  pages dropped from the page cache before it starts (reads are O_DIRECT by default).
 
 Every engine prefills a prompt in one step (``max_num_batched_tokens`` = the longest
 prompt): ExampleConnector keeps only the last step of a prompt prefilled in several steps
@@ -99,6 +102,38 @@ def fill_redis(model: str, args, kvt: dict, prompts: dict[int, list[list[int]]],
         return client.dbsize()
 
 
+def fill_disk(model: str, args, kvt: dict, prompts: dict[int, list[list[int]]],
+              directory: str, chunks: int) -> int:
+    """A first engine stores every prompt; returns once the disk holds all their chunks."""
+    from pathlib import Path
+
+    max_len = max(prompts) + 64
+    with engine(model, args, kvt, max_len, enable_prefix_caching=False,
+                max_num_batched_tokens=max_len) as llm:
+        for group in prompts.values():
+            for p in group:
+                timed_generate(llm, [p], 1)
+        deadline = time.monotonic() + 120
+        while (n := len(list(Path(directory).rglob("*.kvc")))) < chunks and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
+    return n
+
+
+def drop_page_cache(directory: str) -> None:
+    """Evict the chunk files' pages (clean pages: no root needed)."""
+    import os
+    from pathlib import Path
+
+    os.sync()
+    for f in Path(directory).rglob("*.kvc"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def refusal(model: str, args, kvt: dict) -> str:
     """What a peer does on this machine: its error, or how much a repeated prompt reused.
     In-process, so that the root cause is the exception itself."""
@@ -122,6 +157,8 @@ def main() -> None:
     add_model_args(p)
     p.set_defaults(dtype="bfloat16", redis=True)
     p.add_argument("--no-redis", dest="redis", action="store_false")
+    p.add_argument("--no-disk", dest="disk", action="store_false",
+                   help="do not measure the disk tier")
     # 16000, not 16384: the tiny model's 16384 positions must also hold the checked tokens.
     p.add_argument("--lengths", default="1024,2048,4096,8192,16000")
     p.add_argument("--repeats", type=int, default=3)
@@ -158,6 +195,19 @@ def bench(args) -> None:
             print(f"warning: Redis holds {stored} of {chunks} chunks")
         runs["kvconnector redis"] = in_fresh_process(run_config, model, args, with_redis,
                                                      prompts, False, False)
+    if args.disk:
+        from common import ROOT
+
+        (ROOT / ".cache").mkdir(exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=ROOT / ".cache", prefix="bench-peers-disk-") as d:
+            with_disk = connector({**extra, "disk_path": d})
+            chunks = sum(-(-(len(q) - 1) // 256) for group in prompts.values() for q in group)
+            stored = in_fresh_process(fill_disk, model, args, with_disk, prompts, d, chunks)
+            if stored < chunks:
+                print(f"warning: the disk holds {stored} of {chunks} chunk files")
+            drop_page_cache(d)
+            runs["kvconnector disk"] = in_fresh_process(run_config, model, args, with_disk,
+                                                        prompts, False, False)
     refused = {name: in_fresh_process(refusal, model, args, kvt)
                for name, kvt in REFUSING_PEERS.items()}
     report(args, model, lengths, runs, refused)

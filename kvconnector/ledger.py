@@ -50,6 +50,11 @@ class Ledger:
         with self._lock:
             self._report.bad_chunks.update(chunk_hashes)
 
+    def disk_removed(self, chunk_hashes: Iterable[bytes]) -> None:
+        """Chunks the disk tier evicted or did not write (for KV events)."""
+        with self._lock:
+            self._report.disk_removed.update(chunk_hashes)
+
     def received(self, req_id: str) -> None:
         """A parked request's loads are done, failed or not: vLLM may run it."""
         with self._lock:

@@ -63,16 +63,19 @@ class WorkerReport(KVConnectorWorkerMetadata):
 
     bad_chunks: set[bytes] = field(default_factory=set)
     failed_loads: dict[str, int] = field(default_factory=dict)
+    # Chunks the disk tier evicted or could not write (for KV events only).
+    disk_removed: set[bytes] = field(default_factory=set)
 
     def note_failed_load(self, req_id: str, index: int) -> None:
         self.failed_loads[req_id] = min(index, self.failed_loads.get(req_id, index))
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
         assert isinstance(other, WorkerReport)
-        out = WorkerReport(self.bad_chunks | other.bad_chunks, dict(self.failed_loads))
+        out = WorkerReport(self.bad_chunks | other.bad_chunks, dict(self.failed_loads),
+                           self.disk_removed | other.disk_removed)
         for req_id, index in other.failed_loads.items():
             out.note_failed_load(req_id, index)
         return out
 
     def __bool__(self) -> bool:
-        return bool(self.bad_chunks or self.failed_loads)
+        return bool(self.bad_chunks or self.failed_loads or self.disk_removed)

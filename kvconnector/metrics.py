@@ -119,62 +119,60 @@ def hit_tokens_by_tier(loads: Iterable[ChunkTransfer], block_size: int) -> dict[
     return out
 
 
-class StoreTap:
-    """Turns a Redis client's running totals into the increments since the last call."""
+class Tap:
+    """A store's running totals (its ``snapshot()``) as the increments since the last call,
+    named as ``TransferStats`` counters: ``PLAIN`` maps snapshot fields to counters, and the
+    per-reason counts of corrupt values in ``CORRUPT`` become ``{family}.{reason}``."""
 
-    _PLAIN = {"puts": "redis_chunks.put", "put_bytes": "redis_bytes.put",
-              "hits": "redis_chunks.get", "get_bytes": "redis_bytes.get",
-              "errors": "redis_errors.error", "timeouts": "redis_errors.timeout",
-              "busy": "redis_errors.busy", "backoffs": "redis_backoffs",
-              "reconnects": "redis_reconnects"}
-
-    def __init__(self) -> None:
-        self._increments = Increments()
-
-    def counts(self, source: RedisStore | RedisTier | None) -> dict[str, float]:
-        """Increments of ``source`` (a store, or a worker's tier: its store and the puts it
-        dropped) since the last call, named as ``TransferStats`` counters."""
-        if source is None:
-            return {}
-        store = getattr(source, "redis", source)
-        snap = store.snapshot()
-        now: dict[str, float] = {self._PLAIN[k]: snap[k] for k in self._PLAIN}
-        for reason, n in snap["corrupt_reasons"].items():
-            now[f"corrupt_values.{reason}"] = n
-        now["redis_dropped_puts"] = getattr(source, "dropped_puts", 0)
-        return self._increments.since_last(now)
-
-
-class Increments:
-    """Running totals turned into the increments since the last call."""
+    PLAIN: dict[str, str] = {}
+    CORRUPT: tuple[str, str] = ("", "")
 
     def __init__(self) -> None:
         self._last: dict[str, float] = {}
 
-    def since_last(self, now: dict[str, float]) -> dict[str, float]:
+    def increments(self, snap: dict[str, Any], **more: float) -> dict[str, float]:
+        now: dict[str, float] = {name: snap[k] for k, name in self.PLAIN.items()}
+        field, family = self.CORRUPT
+        for reason, n in snap[field].items():
+            now[f"{family}.{reason}"] = n
+        now.update(more)
         out = {k: v - self._last.get(k, 0) for k, v in now.items() if v != self._last.get(k, 0)}
         self._last = now
         return out
 
 
-class DiskTap:
-    """A worker's disk tier counters as ``TransferStats`` increments, and its gauges."""
+class StoreTap(Tap):
+    """A Redis client's counters (of a store, or of a worker's tier: its store and the
+    puts it dropped)."""
 
-    _PLAIN = {"hits": "disk_chunks.get", "get_bytes": "disk_bytes.get",
-              "puts": "disk_chunks.put", "put_bytes": "disk_bytes.put",
-              "io_errors": "disk_errors.io", "full": "disk_errors.full",
-              "put_no_room": "disk_errors.no_room", "evictions": "disk_evictions",
-              "dropped_puts": "disk_dropped_puts"}
+    PLAIN = {"puts": "redis_chunks.put", "put_bytes": "redis_bytes.put",
+             "hits": "redis_chunks.get", "get_bytes": "redis_bytes.get",
+             "errors": "redis_errors.error", "timeouts": "redis_errors.timeout",
+             "busy": "redis_errors.busy", "backoffs": "redis_backoffs",
+             "reconnects": "redis_reconnects"}
+    CORRUPT = ("corrupt_reasons", "corrupt_values")
 
-    def __init__(self) -> None:
-        self._increments = Increments()
+    def counts(self, source: RedisStore | RedisTier | None) -> dict[str, float]:
+        if source is None:
+            return {}
+        store = getattr(source, "redis", source)
+        return self.increments(store.snapshot(),
+                               redis_dropped_puts=getattr(source, "dropped_puts", 0))
+
+
+class DiskTap(Tap):
+    """A worker's disk tier counters, and its gauges."""
+
+    PLAIN = {"hits": "disk_chunks.get", "get_bytes": "disk_bytes.get",
+             "puts": "disk_chunks.put", "put_bytes": "disk_bytes.put",
+             "io_errors": "disk_errors.io", "full": "disk_errors.full",
+             "put_no_room": "disk_errors.no_room", "evictions": "disk_evictions",
+             "dropped_puts": "disk_dropped_puts"}
+    CORRUPT = ("corrupt", "disk_corrupt_files")
 
     def counts(self, tier: DiskTier) -> tuple[dict[str, float], dict[str, float]]:
         snap = tier.snapshot()
-        now: dict[str, float] = {self._PLAIN[k]: snap[k] for k in self._PLAIN}
-        for reason, n in snap["corrupt"].items():
-            now[f"disk_corrupt_files.{reason}"] = n
-        return (self._increments.since_last(now),
+        return (self.increments(snap),
                 {"disk_write_queue": snap["queued"], "disk_files": snap["files"]})
 
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from kvconnector import compat
 from kvconnector.config import ConnectorConfig
+from kvconnector.events import TierEvents
 from kvconnector.metadata import ChunkTransfer
 from kvconnector.request_state import RequestState
 from kvconnector.store.memory import MemoryIndex
@@ -17,8 +18,10 @@ if TYPE_CHECKING:
 
 
 class SavePlanner:
-    def __init__(self, config: ConnectorConfig, block_size: int, index: MemoryIndex) -> None:
+    def __init__(self, config: ConnectorConfig, block_size: int, index: MemoryIndex,
+                 events: TierEvents | None = None) -> None:
         self.config = config
+        self.events = events
         self.chunk_size = config.chunk_size
         self.block_size = block_size
         self.blocks_per_chunk = config.chunk_size // block_size
@@ -88,6 +91,8 @@ class SavePlanner:
             blocks = list(block_ids[ci * bpc:(ci + 1) * bpc])
             out.append(ChunkTransfer(req_id, ci, h, slot, blocks))
             self.read_by(req_id, blocks)
+            if self.events is not None:
+                self.events.stored(st.request, ci, h, bpc)
         st.stored = n_full
 
     def _partial(self, st: RequestState, done: int, block_ids: list[int],
@@ -111,3 +116,5 @@ class SavePlanner:
         blocks = list(block_ids[chunk * bpc:chunk * bpc + k]) + [-1] * (bpc - k)
         out.append(ChunkTransfer(st.request.request_id, chunk, h, slot, blocks, blocks=k))
         self.read_by(st.request.request_id, blocks)
+        if self.events is not None:
+            self.events.stored(st.request, chunk, h, k)

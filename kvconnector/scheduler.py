@@ -15,6 +15,7 @@ from kvconnector import compat
 from kvconnector.blend.request import BlendHit
 from kvconnector.blend.scheduler import BlendScheduler
 from kvconnector.config import ConnectorConfig
+from kvconnector.events import DISK, MEMORY, TierEvents
 from kvconnector.fetches import Fetches
 from kvconnector.keys import request_seed, reset_seed
 from kvconnector.lookups import Lookups
@@ -49,8 +50,13 @@ class SchedulerHalf:
         # from ``_seed``, which a cache reset replaces.
         self.fingerprint = compat.fingerprint(vllm_config, kv_cache_config, config).digest()
         self._seed = self.fingerprint
-        self.index = MemoryIndex(config.memory_slots(compat.chunk_bytes(kv_cache_config,
-                                                                         config)))
+        # KV events for routers, when vLLM publishes them (events.py).
+        self.events = (TierEvents(self.block_size, config.chunk_size,
+                                  (MEMORY, DISK) if config.disk_path else (MEMORY,))
+                       if compat.kv_events_enabled(vllm_config) else None)
+        self.index = MemoryIndex(
+            config.memory_slots(compat.chunk_bytes(kv_cache_config, config)),
+            on_forget=(lambda h: self.events.removed(MEMORY, h)) if self.events else None)
         self.redis = open_redis(config, for_lookups=True)
         self.lookups = (Lookups(self.redis, config.redis_lookup_budget_ms / 1000)
                         if self.redis is not None else None)
@@ -60,7 +66,7 @@ class SchedulerHalf:
         self.prefix = PrefixReuse(config, self.block_size, self.fingerprint,
                                   vllm_config.parallel_config.tensor_parallel_size,
                                   self.index, self.fetches, self.lookups, self.disk)
-        self.saves = SavePlanner(config, self.block_size, self.index)
+        self.saves = SavePlanner(config, self.block_size, self.index, self.events)
         self.blend = (BlendScheduler(config, vllm_config, self.block_size, self.fingerprint,
                                      self.index, self.fetches, self.lookups, self.stats,
                                      self.disk)
@@ -163,6 +169,9 @@ class SchedulerHalf:
         if isinstance(report, WorkerReport):
             for h in report.bad_chunks:
                 self.index.drop(h)
+            if self.events is not None:
+                for h in report.disk_removed:
+                    self.events.removed(DISK, h)
             for req_id, index in report.failed_loads.items():
                 st = self._requests.get(req_id)
                 if st is not None:
@@ -185,6 +194,9 @@ class SchedulerHalf:
         if st is not None and not st.skip_reason:
             self.saves.plan_finish(st, request, block_ids, self._finished_saves)
         return False, None
+
+    def take_events(self) -> list[Any]:
+        return self.events.take() if self.events is not None else []
 
     def has_pending_saves(self) -> bool:
         """Saves planned at a request's finish that no plan has carried yet: vLLM keeps

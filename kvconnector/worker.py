@@ -51,6 +51,7 @@ class WorkerHalf:
         self.tp_rank = compat.tp_rank()
         self.num_slots = config.memory_slots(compat.chunk_bytes(kv_cache_config, config))
         self.blocks_per_chunk = config.chunk_size // self.spec.block_size
+        self._kv_events = compat.kv_events_enabled(vllm_config)
         config.check_memory_available(*host_memory())
         self.disk_capacity = (disk_capacity(config.disk_path, config.disk_capacity)
                               if config.disk_path else 0)
@@ -96,7 +97,7 @@ class WorkerHalf:
         if self.config.disk_path:
             self.disk_tier = open_disk(self.config, self.disk_capacity, self.pool,
                                        self.layout.family, self.fingerprint_fields,
-                                       self.blocks_per_chunk)
+                                       self.blocks_per_chunk, self._kv_events)
         if redis is not None:
             self.redis_tier = RedisTier(redis, self.pool, self.layout.family,
                                         fingerprint=self.fingerprint_fields,
@@ -302,6 +303,8 @@ class WorkerHalf:
         return self.ledger.take_load_errors()
 
     def take_report(self) -> WorkerReport | None:
+        if self.disk_tier is not None and self._kv_events:
+            self.ledger.disk_removed(self.disk_tier.take_gone())
         return self.ledger.take_report()
 
     def outstanding(self) -> dict[str, int]:

@@ -397,3 +397,20 @@ def test_a_partial_chunk_stores_only_its_filled_blocks(tmp_path):
         assert redis.fetch([(1, key(1), 1)]) == [True]
         assert torch.equal(pool.part(1, 1, 4), pool.part(0, 1, 4))
         redis.close(1.0)
+
+
+def test_disk_counters_reach_the_metrics_as_increments(tier, pool, tmp_path):
+    from kvconnector.metrics import COUNTERS, GAUGE_FAMILIES, DiskTap
+
+    tap = DiskTap()
+    stored(tier, pool, {1: 1.0, 2: 2.0})
+    _flip(chunk_path(tmp_path / "kv", key(2)), HEAD_BYTES + 8)
+    assert tier.fetch([(1, key(1), 0), (2, key(2), 0)]) == [True, False]
+    counts, gauges = tap.counts(tier)
+    assert counts == {"disk_chunks.put": 2, "disk_bytes.put": 2 * CHUNK_BYTES,
+                      "disk_chunks.get": 1, "disk_bytes.get": CHUNK_BYTES,
+                      "disk_corrupt_files.checksum": 1}
+    assert gauges == {"disk_write_queue": 0, "disk_files": 1}
+    assert tap.counts(tier)[0] == {}  # increments: nothing new since
+    families = {f.entry for f in COUNTERS} | {f.entry for f in GAUGE_FAMILIES}
+    assert {k.partition(".")[0] for k in counts} | set(gauges) <= families

@@ -26,6 +26,7 @@ from kvconnector.compat.engine import (
     tp_rank,
     uncacheable_reason,
 )
+from kvconnector.compat.events import block_removed, block_stored, kv_events_enabled
 from kvconnector.compat.kv_cache import (
     WEIGHT_SAMPLE_BYTES,
     WEIGHT_SAMPLES,
@@ -42,6 +43,9 @@ from kvconnector.compat.kv_cache import (
 )
 
 __all__ = [
+    "block_removed",
+    "block_stored",
+    "kv_events_enabled",
     "blend_unsupported_reason",
     "cpu_kv_writer",
     "cpu_paged_attention",

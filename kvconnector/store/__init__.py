@@ -59,7 +59,8 @@ def open_redis(config: ConnectorConfig, *, for_lookups: bool = False) -> RedisSt
 
 
 def open_disk(config: ConnectorConfig, capacity: int, pool: SlotPool, layout_name: str,
-              fingerprint: Fingerprint, blocks_per_chunk: int) -> DiskTier:
+              fingerprint: Fingerprint, blocks_per_chunk: int,
+              track_gone: bool = False) -> DiskTier:
     """This worker's disk tier (``config.disk_path``, checked at start-up)."""
     from kvconnector.store import codec
     from kvconnector.store.disk_tier import DiskTier
@@ -69,4 +70,5 @@ def open_disk(config: ConnectorConfig, capacity: int, pool: SlotPool, layout_nam
     return DiskTier(config.disk_path, capacity, pool, layout_name,
                     mac_key=codec.mac_key(secret) if secret is not None else None,
                     direct_io=config.disk_direct_io, write_threads=config.disk_write_threads,
-                    fingerprint=fingerprint, blocks_per_chunk=blocks_per_chunk)
+                    fingerprint=fingerprint, blocks_per_chunk=blocks_per_chunk,
+                    track_gone=track_gone)

@@ -12,10 +12,11 @@ checksum and optional MAC) padded with zeros to ``HEAD_BYTES``, then the payload
     codec prefix + header | zeros up to 4096 | payload (the slot's bytes)
 
 The payload starts on a 4 KiB boundary so that it can be read straight into a slot (whose
-memory starts on a page, store/memory.py) with O_DIRECT: by default, as a single read of
-tens of MiB bypassing the page cache ran 2-7x faster than a buffered one on this project's
-machines (docs/benchmarks.md, "disk tier"); where the file system, the buffer or the
-length does not allow it, the read is buffered.
+memory starts on a page, store/memory.py) with O_DIRECT: by default, because the memory
+tier is the cache (the page cache would hold a second copy) and a direct read's speed does
+not depend on what else the page cache holds (docs/benchmarks.md section 11: 0.92x a plain
+O_DIRECT read). Where the file system, the buffer or the length does not allow it, the
+read is buffered.
 
 A file is written under a temporary name in its final directory (store/disk_space.py
 reserves it) and renamed into place only when complete: a file under a final name is never

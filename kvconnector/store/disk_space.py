@@ -26,7 +26,7 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,9 +94,11 @@ class ScanResult:
 
 
 class DiskSpace:
-    def __init__(self, root: str | Path, capacity: int) -> None:
+    def __init__(self, root: str | Path, capacity: int,
+                 on_evict: Callable[[str], None] | None = None) -> None:
         self.root = Path(root)
         self.capacity = capacity
+        self._on_evict = on_evict  # told the path of every file it evicts
         self.root.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.root / USAGE_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         self._mutex = threading.Lock()  # flock is per open file, not per thread
@@ -190,6 +192,8 @@ class DiskSpace:
             need -= freed
             self.evictions += 1
             self.evicted_bytes += freed
+            if self._on_evict is not None:
+                self._on_evict(path)
         return usage
 
     def remove(self, path: Path, inode: int | None = None) -> int:

@@ -53,9 +53,14 @@ class DiskTier:
     def __init__(self, root: str | Path, capacity: int, pool: SlotPool, layout_name: str, *,
                  mac_key: bytes | None = None, direct_io: bool = True,
                  write_threads: int = 1, fingerprint: Fingerprint | None = None,
-                 blocks_per_chunk: int = 1) -> None:
+                 blocks_per_chunk: int = 1, track_gone: bool = False) -> None:
         self.files = DiskFiles(root, mac_key=mac_key, direct_io=direct_io)
-        self.space = DiskSpace(root, capacity)
+        self.space = DiskSpace(root, capacity, self._evicted if track_gone else None)
+        # With track_gone (KV events): chunks of this engine that left the disk or never
+        # reached it, until ``take_gone``.
+        self._track_gone = track_gone
+        self._gone: set[bytes] = set()
+        self._own_dir = fingerprint.digest().hex() if fingerprint is not None else None
         self.pool = pool
         self.bytes = SlotBytes(pool, layout_name, blocks_per_chunk)
         self.counters = DiskCounters()
@@ -68,6 +73,24 @@ class DiskTier:
 
     def expected(self, key: ChunkKey, blocks: int = 0) -> ExpectedChunk:
         return self.bytes.expected(key, blocks)
+
+    def _evicted(self, path: str) -> None:
+        p = Path(path)
+        if p.parent.parent.parent.name == self._own_dir:
+            try:
+                self._gone.add(bytes.fromhex(p.stem))
+            except ValueError:
+                pass
+
+    def _not_written(self, key: ChunkKey) -> None:
+        if self._track_gone:
+            with self._lock:
+                self._gone.add(key.chunk_hash)
+
+    def take_gone(self) -> set[bytes]:
+        with self._lock:
+            gone, self._gone = self._gone, set()
+        return gone
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -136,6 +159,7 @@ class DiskTier:
     def _put(self, slot: int, key: ChunkKey, blocks: int) -> None:
         if time.monotonic() < self._paused_until:
             self._puts.dropped += 1
+            self._not_written(key)
             return
         header = self.pool.lease(slot, key)
         if header is None:
@@ -157,10 +181,13 @@ class DiskTier:
             reserved = self.space.reserve(final, size)
         except OSError as e:
             self._write_failed(final, e)
+            self._not_written(key)
             return
         if reserved is None:
             exists = final.exists()
             self._count(put_exists=int(exists), put_no_room=int(not exists))
+            if not exists:
+                self._not_written(key)
             return
         fd, temp = reserved
         try:
@@ -171,6 +198,7 @@ class DiskTier:
         except OSError as e:
             self.space.abandon(temp, size)
             self._write_failed(final, e)
+            self._not_written(key)
             return
         if self.space.commit(temp, final, size):
             self._count(puts=1, put_bytes=expected.nbytes)

@@ -7,7 +7,7 @@ import math
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,10 +54,12 @@ class MemoryIndex:
     cache resets alike: a slot forgotten while pinned or held is reused only once free.
     """
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int,
+                 on_forget: Callable[[bytes], None] | None = None) -> None:
         if num_slots <= 0:
             raise ValueError("the memory store holds no chunk: raise memory_capacity")
         self.num_slots = num_slots
+        self._on_forget = on_forget  # told of every chunk evicted, dropped or cleared
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # LRU first
         self._free = list(range(num_slots - 1, -1, -1))
         self._pinned: set[int] = set()
@@ -113,6 +115,8 @@ class MemoryIndex:
                 return None
             slot = self._slots.pop(victim)
             self.evictions += 1
+            if self._on_forget is not None:
+                self._on_forget(victim)
         self._slots[chunk_hash] = slot
         self._pinned.add(slot)
         return slot
@@ -127,6 +131,8 @@ class MemoryIndex:
         slot = self._slots.pop(chunk_hash, None)
         if slot is not None:
             self._release_slot(slot)
+            if self._on_forget is not None:
+                self._on_forget(chunk_hash)
 
     def hold(self, slot: int) -> None:
         """Keep ``slot`` out of every plan until ``release``, whatever happens to its chunk."""
@@ -152,6 +158,9 @@ class MemoryIndex:
         """Forget every chunk (a cache reset). Slots no plan names are free at once; the
         others once their plan is built or their holder releases them."""
         self._forgotten.update(s for s in self._slots.values() if self._busy(s))
+        if self._on_forget is not None:
+            for h in self._slots:
+                self._on_forget(h)
         self._slots.clear()
         self._free = [s for s in range(self.num_slots - 1, -1, -1)
                       if s not in self._forgotten]

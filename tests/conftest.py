@@ -113,6 +113,26 @@ def _stop_engine_host():
     _HOST.stop()
 
 
+_ENGINE_KEYS = ("model", "connector", "prefix_caching", "dtype", "llm", "kv_cache_bytes",
+                "max_model_len", "tp", "policy", "env")
+
+
+def _log_engines(spec: dict, runner: str) -> None:
+    """With ``KVCONNECTOR_TEST_ENGINE_LOG=FILE``, one line per engine a run starts: the
+    test and the engine's configuration (steps left out), to find engines started twice
+    for the same configuration (``scripts/engine_reuse.py``)."""
+    log = os.environ.get("KVCONNECTOR_TEST_ENGINE_LOG")
+    if not log:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+    engines = spec.get("engines") or [spec]
+    with open(log, "a") as f:
+        for e in engines:
+            config = {k: e.get(k, spec.get(k)) for k in _ENGINE_KEYS}
+            f.write(json.dumps({"test": test, "runner": runner, "config": config},
+                               sort_keys=True) + "\n")
+
+
 def run_engine(tmp: Path, spec: dict, *, multiprocess: bool = False, timeout: int = 600,
                runner: str = "engine_runner.py", fresh: bool = False):
     """Run tests/engine_runner.py (or another runner) and return its step results: in the
@@ -121,6 +141,7 @@ def run_engine(tmp: Path, spec: dict, *, multiprocess: bool = False, timeout: in
     tmp.mkdir(parents=True, exist_ok=True)
     spec_path, out_path = tmp / "spec.json", tmp / "out.json"
     spec_path.write_text(json.dumps(spec))
+    _log_engines(spec, runner)
     hosted = (not multiprocess and not fresh and runner in HOSTED_RUNNERS
               and spec.get("tp", 1) == 1
               and os.environ.get("KVCONNECTOR_TEST_FRESH_PROCESS") != "1")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import time
 
 from common import (
     add_model_args,
@@ -26,12 +27,33 @@ from common import (
 )
 
 
-def run_engine(model: str, args, kvt: dict | None, seed: int, vocab: int) -> list[float]:
+def connector_seconds() -> dict[str, float]:
+    """The connector's own timers so far, from this process's Prometheus registry (where
+    vLLM records an offline engine's stats; ``LLM.get_metrics`` rounds counters down to
+    whole numbers): seconds per hook on vLLM's threads, and the copy thread's busy time."""
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name == "vllm:kvconnector_phase_seconds_total":
+                phase = sample.labels["phase"]
+                out[phase] = out.get(phase, 0.0) + sample.value
+    return out
+
+
+def run_engine(model: str, args, kvt: dict | None, seed: int, vocab: int,
+               env: dict[str, str] | None = None) -> dict:
+    import os
+
+    os.environ.update(env or {})  # this process is the engine's: its workers inherit it
     rng = random.Random(seed)
     max_len = args.prompt_tokens + args.output_tokens + 16
-    rates = []
-    with engine(model, args, kvt, max_len, enable_prefix_caching=True) as llm:
+    rates, seconds = [], 0.0
+    with engine(model, args, kvt, max_len, enable_prefix_caching=True,
+                disable_log_stats=False) as llm:
         timed_generate(llm, [random_prompt(rng, args.prompt_tokens, vocab)], 4)
+        before = connector_seconds() if kvt else {}
         for _ in range(args.rounds_per_engine):
             prompts = [random_prompt(rng, args.prompt_tokens, vocab)
                        for _ in range(args.prompts)]
@@ -39,7 +61,14 @@ def run_engine(model: str, args, kvt: dict | None, seed: int, vocab: int) -> lis
             assert all((o.num_cached_tokens or 0) == 0 for o in outs), "unexpected reuse"
             tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
             rates.append(tokens / secs)
-    return rates
+            seconds += secs
+        phases = {}
+        if kvt:
+            time.sleep(0.3)  # the timers reach the metrics a few times a second
+            timed_generate(llm, [random_prompt(rng, 16, vocab)], 1)
+            after = connector_seconds()
+            phases = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    return {"rates": rates, "seconds": seconds, "phases": phases}
 
 
 def main() -> None:
@@ -52,7 +81,8 @@ def main() -> None:
     p.add_argument("--engines", type=int, default=3, help="fresh engines per configuration")
     p.add_argument("--rounds-per-engine", type=int, default=2)
     p.add_argument("--disk", action="store_true",
-                   help="a disk tier behind memory (a temporary directory under .cache)")
+                   help="also a connector with a disk tier behind memory (a temporary "
+                   "directory under .cache), in the same run")
     args = p.parse_args()
     if args.disk:
         import tempfile
@@ -73,13 +103,22 @@ def bench(args, disk_path: str | None) -> None:
     extra = {"memory_capacity": args.memory_capacity}
     if args.redis_url:
         extra["redis_url"] = args.redis_url
+    configs = {"no connector": (None, None), "connector (all misses)": (connector(extra), None)}
     if disk_path is not None:
-        extra["disk_path"] = disk_path
-    configs = {"no connector": None, "connector (all misses)": connector(extra)}
+        configs["connector + disk tier"] = (connector({**extra, "disk_path": disk_path}), None)
     tput: dict[str, list[float]] = {n: [] for n in configs}
+    phases: dict[str, dict[str, float]] = {}
+    measured: dict[str, float] = {}
     order = [name for _ in range(args.engines) for name in configs]
     for i, name in enumerate(tqdm(order, desc="engines")):
-        tput[name] += in_fresh_process(run_engine, model, args, configs[name], 100 + i, vocab)
+        kvt, env = configs[name]
+        res = in_fresh_process(run_engine, model, args, kvt, 100 + i, vocab, env)
+        tput[name] += res["rates"]
+        if res["phases"]:
+            measured.setdefault(name, 0.0)
+            measured[name] += res["seconds"]
+            for k, v in res["phases"].items():
+                phases.setdefault(name, {})[k] = phases.get(name, {}).get(k, 0.0) + v
     names = list(configs)
     med = {n: statistics.median(v) for n, v in tput.items()}
     ratio = med[names[1]] / med[names[0]]
@@ -89,12 +128,20 @@ def bench(args, disk_path: str | None) -> None:
         print(f"  {n:<24} median {med[n]:>8.0f}   all: {[round(x) for x in tput[n]]}")
     change = f"{(1 - ratio) * 100:.1f}% slower" if ratio < 1 else f"{(ratio - 1) * 100:.1f}% faster"
     print(f"  connector / none: {ratio:.3f} ({change}; goal: at most 3% slower)")
+    for n in names[2:]:
+        print(f"  {n} / none: {med[n] / med[names[0]]:.3f}, / connector: "
+              f"{med[n] / med[names[1]]:.3f}")
+    for name, secs in measured.items():
+        print(f"  where the time of '{name}' went ({secs:.1f} s of measured rounds; hooks run "
+              "on vLLM's threads, copy and write threads beside them):")
+        for k, v in sorted(phases[name].items(), key=lambda x: -x[1]):
+            print(f"    {k:<32} {v * 1000:8.1f} ms  {v / secs * 100:5.2f}%")
     out = write_results(args.out, "miss_overhead", {
-        "model": model, "tiers": ["memory"] + (["disk"] if disk_path else [])
-        + (["redis"] if args.redis_url else []), "prompts": args.prompts,
+        "model": model, "configs": list(configs), "redis": bool(args.redis_url),
+        "prompts": args.prompts,
         "prompt_tokens": args.prompt_tokens,
         "output_tokens": args.output_tokens, "tokens_per_s": tput, "median": med,
-        "ratio": ratio})
+        "ratio": ratio, "connector_seconds": phases, "measured_seconds": measured})
     print(f"results: {out}")
 
 

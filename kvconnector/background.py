@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
@@ -22,12 +23,13 @@ class CopyThread:
         self._lock = threading.Lock()
         self._by_slot: dict[int, Future[None]] = {}  # the last job touching each slot
         self._by_request: dict[str, set[Future[None]]] = {}
+        self.busy_seconds = 0.0  # time the thread spent running jobs (phase timers)
 
     def submit(self, job: Callable[[], None], req_ids: Iterable[str],
                slots: Iterable[int]) -> None:
         """Run ``job`` after every job submitted before it. It must not raise: a failed copy
         is a cache miss, which the job itself reports."""
-        future = self._executor.submit(job)
+        future = self._executor.submit(self._timed, job)
         req_ids, slots = set(req_ids), [s for s in slots if s >= 0]
         with self._lock:
             for s in slots:
@@ -35,6 +37,13 @@ class CopyThread:
             for r in req_ids:
                 self._by_request.setdefault(r, set()).add(future)
         future.add_done_callback(lambda f: self._forget(f, req_ids, slots))
+
+    def _timed(self, job: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        try:
+            job()
+        finally:
+            self.busy_seconds += time.perf_counter() - start  # this thread only writes it
 
     def _forget(self, future: Future[None], req_ids: set[str], slots: list[int]) -> None:
         if not future.cancelled() and future.exception() is not None:

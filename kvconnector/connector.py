@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -39,6 +42,23 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvconnector")
+T = TypeVar("T")
+
+
+def _timed(hook: Callable[..., T]) -> Callable[..., T]:
+    """Adds the hook's time to the connector's phase timers (``phase_seconds`` on
+    ``/metrics``): what kvconnector costs on vLLM's own thread, hook by hook."""
+    name = hook.__name__
+
+    @functools.wraps(hook)
+    def timed(self: KVConnector, *args: Any, **kwargs: Any) -> T:
+        start = time.perf_counter()
+        try:
+            return hook(self, *args, **kwargs)
+        finally:
+            self._phases[name] = self._phases.get(name, 0.0) + time.perf_counter() - start
+
+    return timed
 
 
 def _log_like_vllm() -> None:
@@ -68,6 +88,8 @@ class KVConnector(KVConnectorBase_V1):
         self.config = ConnectorConfig.from_extra_config(compat.extra_config(vllm_config))
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
+        self._phases: dict[str, float] = {}  # hook -> seconds since the last stats
+        self._phases_sent = 0.0
         if role == KVConnectorRole.SCHEDULER:
             compat.recompute_failed_loads(vllm_config)
             self._scheduler = SchedulerHalf(self.config, vllm_config, kv_cache_config)
@@ -96,10 +118,12 @@ class KVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register(kv_caches)
 
+    @_timed
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, StepPlan)
         self.worker.handle_preemptions(kv_connector_metadata)
 
+    @_timed
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
         if plan.loads:
@@ -116,6 +140,7 @@ class KVConnector(KVConnectorBase_V1):
                       **kwargs: Any) -> None:
         return  # every layer of a chunk is copied at once in wait_for_save
 
+    @_timed
     def wait_for_save(self) -> None:
         plan = self._plan()
         if plan.saves:
@@ -123,6 +148,7 @@ class KVConnector(KVConnectorBase_V1):
         if plan.doc_saves:
             self.worker.blend.save_docs(plan)
 
+    @_timed
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, self.worker.finished_loading() or None
 
@@ -131,9 +157,11 @@ class KVConnector(KVConnectorBase_V1):
         assert isinstance(plan, StepPlan)
         return plan
 
+    @_timed
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
 
+    @_timed
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker.take_report()
 
@@ -149,7 +177,15 @@ class KVConnector(KVConnectorBase_V1):
         half = self._worker or self._scheduler
         assert half is not None
         try:
-            return half.take_stats()
+            stats = half.take_stats()
+            now = time.monotonic()
+            # Phases ride along with other stats, or alone at most 4 times a second: a step
+            # with nothing else to say sends vLLM nothing.
+            if self._phases and (stats is not None or now - self._phases_sent >= 0.25):
+                stats = stats if stats is not None else TransferStats()
+                stats.add(**{f"phase_seconds.{k}": v for k, v in self._phases.items()})
+                self._phases, self._phases_sent = {}, now
+            return stats
         except Exception:
             logger.exception("kvconnector: gathering transfer stats failed; skipped")
             return None
@@ -169,10 +205,12 @@ class KVConnector(KVConnectorBase_V1):
         return PromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- scheduler side ----
+    @_timed
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @_timed
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
@@ -181,12 +219,15 @@ class KVConnector(KVConnectorBase_V1):
                                        num_external_tokens: int) -> dict[Any, int]:
         return self.scheduler.hit_sources(request, num_external_tokens)
 
+    @_timed
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler.build_meta(scheduler_output)
 
+    @_timed
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler.update_connector_output(connector_output)
 
+    @_timed
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)

@@ -68,6 +68,7 @@ class WorkerHalf:
         self._host_transfer: HostTransfer | None = None
         self._copier: PagedCopier | None = None
         self.copies = CopyThread()
+        self._busy_reported: dict[str, float] = {}  # thread -> busy seconds reported
         self._device_lock = threading.Lock()  # HostTransfer's staging buffer is shared
         self.blend = (BlendWorker(config, vllm_config, self.spec, len(self.layer_names),
                                   self.copies, self.ledger)
@@ -327,6 +328,13 @@ class WorkerHalf:
                 tier.close(max(0.0, deadline - time.monotonic()))
 
     def take_stats(self) -> TransferStats | None:
+        for name, busy in (("copy_thread", self.copies.busy_seconds),
+                           *((f"{t.name}_writes", t.busy_seconds)
+                             for t in (self.disk_tier, self.redis_tier) if t is not None)):
+            if busy > self._busy_reported.get(name, 0.0):
+                self.ledger.count(**{f"phase_seconds.{name}":
+                                     busy - self._busy_reported.get(name, 0.0)})
+                self._busy_reported[name] = busy
         self.ledger.count(**self._redis_tap.counts(self.redis_tier))
         if self.disk_tier is not None:
             counts, gauges = self._disk_tap.counts(self.disk_tier)

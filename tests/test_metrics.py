@@ -131,3 +131,30 @@ def test_a_fault_while_gathering_stats_costs_the_report_not_the_engine(caplog):
     connector._worker, connector._scheduler = Broken(), None
     assert connector.get_kv_connector_stats() is None
     assert "gathering transfer stats failed" in caplog.text
+
+
+def test_hooks_add_their_time_to_the_phase_timers():
+    """``phase_seconds``: what each vLLM hook costs on vLLM's own thread (issue 24)."""
+    import time
+
+    from kvconnector.connector import _timed
+
+    class Half:
+        def __init__(self) -> None:
+            self._phases: dict[str, float] = {}
+
+        @_timed
+        def build_connector_meta(self) -> int:
+            time.sleep(0.01)
+            return 5
+
+        @_timed
+        def get_finished(self) -> None:
+            raise RuntimeError("a hook that fails still took its time")
+
+    h = Half()
+    assert h.build_connector_meta() == 5 and h.build_connector_meta() == 5
+    with pytest.raises(RuntimeError):
+        h.get_finished()
+    assert h._phases["build_connector_meta"] >= 0.02 and "get_finished" in h._phases
+    assert "phase_seconds" in {f.entry for f in COUNTERS}

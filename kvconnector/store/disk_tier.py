@@ -233,6 +233,10 @@ class DiskTier:
     def queued(self) -> int:
         return self._puts.queued
 
+    @property
+    def busy_seconds(self) -> float:
+        return self._puts.busy_seconds
+
     def flush(self) -> None:
         self._puts.flush()
 

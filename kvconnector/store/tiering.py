@@ -100,6 +100,7 @@ class PutQueue:
                  max_queued: int = MAX_QUEUED_PUTS) -> None:
         self.name = name
         self.dropped = 0
+        self.busy_seconds = 0.0  # time spent making copies, all threads (phase timers)
         self._put = put
         self._queue: queue.Queue[tuple[int, ChunkKey, int] | None] = queue.Queue(max_queued)
         self._ready = threading.Event()
@@ -127,11 +128,13 @@ class PutQueue:
                 self._ready.set()
         self._ready.wait()
         while (item := self._queue.get()) is not None:
+            start = time.perf_counter()
             try:
                 self._put(*item)
             except Exception:  # the thread must outlive any single bad put
                 logger.exception("kvconnector: %s put failed", self.name)
             finally:
+                self.busy_seconds += time.perf_counter() - start  # racy across threads: a metric
                 self._queue.task_done()
         self._queue.task_done()
 
@@ -242,6 +245,10 @@ class RedisTier:
     @property
     def queued(self) -> int:
         return self._puts.queued
+
+    @property
+    def busy_seconds(self) -> float:
+        return self._puts.busy_seconds
 
     def flush(self) -> None:
         self._puts.flush()

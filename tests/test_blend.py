@@ -234,6 +234,49 @@ def test_moved_keys_equal_keys_rotated_at_the_new_position(vllm_context, params,
     assert (at(0) - at(5000)).abs().max() > 1  # the check can fail
 
 
+@pytest.mark.parametrize("params", [
+    {"rope_theta": 1e5, "rope_type": "default"},  # SmolLM2's
+    {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0,
+     "original_max_position_embeddings": 2048},
+])
+def test_bf16_keys_move_as_vllm_rotates_them(vllm_context, params):
+    """In bf16 vLLM rotates with its table rounded to bf16; a stored key was rounded after
+    its rotation. Undoing the very row vLLM used leaves only that rounding (at most 2 units
+    in the last place of the head's largest element); composing with the float32 table
+    adds the table's rounding on top (before the fix, the moved keys carried it)."""
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from kvconnector.blend.rope import ReRotator
+
+    rope = get_rope(64, max_position=8192, is_neox_style=True, rope_parameters=params,
+                    dtype=torch.bfloat16)
+    from vllm.platforms import current_platform
+
+    # vLLM's CPU kernel: what the CPU build's engine runs (it rotates in float32)
+    rotate = rope.forward_cpu if current_platform.is_cpu() else rope.forward_native
+    gen = torch.Generator().manual_seed(0)
+    n = 300
+    key = torch.randn(n, 3 * 64, generator=gen).bfloat16()
+    query = torch.randn(n, 9 * 64, generator=gen).bfloat16()
+
+    def at(pos: int) -> torch.Tensor:
+        _, k = rotate(torch.arange(pos, pos + n), query.clone(), key.clone())
+        return k.view(n, 3, 64)
+
+    mover = ReRotator(rope)
+    fp32 = ReRotator(rope)
+    table = rope._compute_cos_sin_cache().to(torch.float64)
+    fp32.cos, fp32.sin = table[:, :32], table[:, 32:]
+    for p, q in [(0, 5000), (4000, 3), (100, 101), (1000, 7000)]:
+        want = at(q).float()
+        unit = want.abs().amax(-1, keepdim=True) * 2 ** -8  # bf16's step at the head's max
+        err = (mover.move(at(p), p, q).float() - want).abs()
+        err32 = (fp32.move(at(p), p, q).float() - want).abs()
+        assert float((err / unit).max()) <= 2.0, (p, q)
+        assert float(err.mean()) < 0.85 * float(err32.mean()), (p, q)
+        assert float((err == 0).float().mean()) > 0.6, (p, q)
+
+
 @pytest.mark.parametrize("params, why", [
     ({"rope_theta": 10000.0, "rope_type": "default", "mrope_section": [8, 12, 12]},
      "does not rotate by a plain table lookup"),

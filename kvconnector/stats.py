@@ -24,6 +24,9 @@ SAMPLES = "samples"
 GAUGES = "gauges"
 # Per stats object; vLLM's log line aggregates a whole interval, the histograms one step.
 MAX_SAMPLES = 10_000
+PHASE = "phase_seconds."
+# Phases that run beside vLLM's threads, not on them (worker.py's background threads).
+BACKGROUND_PHASES = ("copy_thread", "disk_writes", "redis_writes")
 
 
 @dataclass
@@ -70,7 +73,17 @@ class TransferStats(KVConnectorStats):
         return out
 
     def reduce(self) -> dict[str, int | float]:
-        d: dict[str, int | float] = dict(self.counters())
+        """vLLM's log line: the per-hook timers (on /metrics) become one total, the time
+        the connector's hooks took on vLLM's own threads."""
+        d: dict[str, int | float] = {}
+        hooks = 0.0
+        for k, v in self.counters().items():
+            if not k.startswith(PHASE):
+                d[k] = v
+            elif k[len(PHASE):] not in BACKGROUND_PHASES:
+                hooks += v
+        if hooks:
+            d["hook_seconds"] = round(hooks, 4)
         for op in ("load", "save"):
             secs, nbytes = d.get(f"{op}_seconds", 0), d.get(f"{op}_bytes", 0)
             d[f"{op}_GBps"] = round(nbytes / secs / 1e9, 3) if secs else 0.0

@@ -48,8 +48,12 @@ def test_stats_aggregate_counters_samples_and_gauges():
     assert out.data["samples"]["load_batch_seconds"] == [0.5, 0.25]
     assert out.data["gauges"]["memory_slots_used"] == 5  # the newer report wins
     assert a.data["samples"]["load_batch_seconds"] == [0.5]  # inputs unchanged
+    out.add(**{"phase_seconds.start_load_kv": 0.25, "phase_seconds.get_finished": 0.125,
+               "phase_seconds.copy_thread": 4.0})
     reduced = out.reduce()
     assert reduced["memory_slots_used"] == 5 and "samples" not in reduced
+    # vLLM's log line: the hooks' time on vLLM's threads as one total, no per-hook keys
+    assert reduced["hook_seconds"] == 0.375 and not any("phase" in k for k in reduced)
     assert all(isinstance(v, (int, float)) for v in reduced.values())
 
 

@@ -150,7 +150,8 @@ class KVConnector(KVConnectorBase_V1):
 
     @_timed
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self.worker.finished_loading() or None
+        idle = self.has_connector_metadata() and self._plan().idle
+        return None, self.worker.finished_loading(idle) or None
 
     def _plan(self) -> StepPlan:
         plan = self._get_connector_metadata()

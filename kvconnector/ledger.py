@@ -3,12 +3,17 @@ failed, chunks found unusable, and parked requests whose loads are done.
 
 The main thread and the copy thread both write here, so every field sits behind one lock.
 Blend (``blend/worker.py``) writes through the same methods as the half.
+
+It also counts the fetches of parked requests still in flight, so that a step with nothing
+to compute can wait for one (``wait_for_fetch``) instead of spinning: vLLM steps an idle
+engine back to back, and that loop holds the GIL the copy thread needs after every read
+from a socket or a file (Python hands it over only every 5 ms).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvconnector.metadata import WorkerReport
 from kvconnector.stats import TransferStats
@@ -22,6 +27,8 @@ class Ledger:
         self._load_errors: set[int] = set()
         self._report = WorkerReport()  # since the last step's report
         self._received: set[str] = set()  # parked requests whose loads are done
+        self._fetches = 0  # parked requests' fetches submitted and not yet over
+        self._fetch_over = threading.Condition(self._lock)
 
     def count(self, **counts: float) -> None:
         with self._lock:
@@ -60,6 +67,30 @@ class Ledger:
         with self._lock:
             self._received.add(req_id)
 
+    def start_fetch(self, submit: Callable[[], object]) -> None:
+        """Count a parked request's fetch, which ``submit`` queues; its job must call
+        ``fetch_over`` when it ends."""
+        with self._lock:
+            self._fetches += 1
+        try:
+            submit()
+        except BaseException:
+            self.fetch_over()
+            raise
+
+    def fetch_over(self) -> None:
+        """A parked request's fetch ended (arrived or failed)."""
+        with self._lock:
+            self._fetches = max(0, self._fetches - 1)
+            self._fetch_over.notify_all()
+
+    def wait_for_fetch(self, timeout: float) -> None:
+        """Until a fetch in flight ends, at most ``timeout`` seconds; at once if none is."""
+        with self._lock:
+            if self._fetches:
+                start = self._fetches
+                self._fetch_over.wait_for(lambda: self._fetches < start, timeout)
+
     def take_received(self) -> set[str]:
         with self._lock:
             received, self._received = self._received, set()
@@ -88,4 +119,4 @@ class Ledger:
         return {"load_errors": len(self._load_errors),
                 "bad_chunks": len(self._report.bad_chunks),
                 "failed_loads": len(self._report.failed_loads),
-                "received": len(self._received)}
+                "received": len(self._received), "fetches": self._fetches}

@@ -1,13 +1,15 @@
 """Questions to Redis asked on one background thread, so that a scheduler step never waits
-on the network: a step asks, and a later step reads the answer."""
+on the network: a step asks, and a later step reads the answer. A step that schedules
+nothing may wait a little for the answers (``wait``): vLLM steps an idle engine back to
+back, and that loop would hold the GIL the lookup thread needs to read its reply."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from kvconnector.store.redis_store import RedisStore
 
@@ -29,6 +31,7 @@ class Lookups:
         self.redis = redis
         self.budget_s = budget_s
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvconnector-lookup")
+        self._last: Future[Any] | None = None  # one thread: answered last of those asked
 
     def answer(self, asked: Asked[T] | None, question: Hashable,
                ask: Callable[[RedisStore, float], T], miss: T) -> tuple[Asked[T], T | None]:
@@ -36,6 +39,7 @@ class Lookups:
         replaces an old one; a failed lookup answers ``miss`` (the store counts its faults)."""
         if asked is None or asked.question != question:
             asked = Asked(question, self._thread.submit(ask, self.redis, self.budget_s))
+            self._last = asked.answer
         if not asked.answer.done():
             return asked, None
         try:
@@ -43,6 +47,12 @@ class Lookups:
         except Exception:
             logger.debug("kvconnector: Redis lookup failed", exc_info=True)
             return asked, miss
+
+    def wait(self, timeout: float) -> None:
+        """Until every question asked so far is answered, at most ``timeout`` seconds."""
+        last = self._last
+        if last is not None and not last.done():
+            wait([last], timeout)
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)

@@ -33,6 +33,13 @@ class ChunkTransfer:
     blocks: int = 0
 
 
+# How long a step that scheduled nothing (``StepPlan.idle``) waits for background work a
+# request waits on (a Redis lookup, a parked request's fetch): what a new request's first
+# step may be delayed by, and Python's GIL switch interval, which a background thread
+# competing with vLLM's idle loop waits for after every read from a socket or a file.
+IDLE_WAIT_S = 0.005
+
+
 @dataclass
 class StepPlan(KVConnectorMetadata):
     """Scheduler -> workers: what to move this step.
@@ -45,6 +52,7 @@ class StepPlan(KVConnectorMetadata):
     vLLM already took their blocks back, so they are queued before this step writes any KV
     (and fenced like every other save).
     ``blends`` and ``doc_saves`` are CacheBlend's (kvconnector/blend/plan.py).
+    ``idle``: vLLM scheduled no tokens this step (requests may wait for their KV).
     """
 
     loads: list[ChunkTransfer] = field(default_factory=list)
@@ -54,6 +62,7 @@ class StepPlan(KVConnectorMetadata):
     finished_saves: list[ChunkTransfer] = field(default_factory=list)
     blends: list[BlendJob] = field(default_factory=list)
     doc_saves: list[DocSave] = field(default_factory=list)
+    idle: bool = False
 
 
 @dataclass

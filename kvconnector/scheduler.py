@@ -19,7 +19,7 @@ from kvconnector.events import DISK, MEMORY, TierEvents
 from kvconnector.fetches import Fetches
 from kvconnector.keys import request_seed, reset_seed
 from kvconnector.lookups import Lookups
-from kvconnector.metadata import ChunkTransfer, StepPlan, WorkerReport
+from kvconnector.metadata import IDLE_WAIT_S, ChunkTransfer, StepPlan, WorkerReport
 from kvconnector.metrics import StoreTap
 from kvconnector.prefix import PrefixReuse
 from kvconnector.request_state import PENDING, RequestState
@@ -146,9 +146,10 @@ class SchedulerHalf:
         return out
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
+        idle = scheduler_output.total_num_scheduled_tokens == 0
         plan = StepPlan(loads=self._loads, async_loads=self._async_loads,
                         fence=self.saves.fence(scheduler_output),
-                        finished_saves=self._finished_saves)
+                        finished_saves=self._finished_saves, idle=idle)
         self._loads, self._async_loads, self._finished_saves = [], [], []
         if self.blend is not None:
             self.blend.build(plan, scheduler_output, self._requests)
@@ -162,6 +163,8 @@ class SchedulerHalf:
         self.saves.plan_step(scheduler_output, self._requests,
                              {t.req_id for t in plan.loads}, plan.saves)
         self.index.unpin_all()
+        if idle and self.lookups is not None:  # nothing runs: let Redis answer meanwhile
+            self.lookups.wait(IDLE_WAIT_S)
         return plan
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

@@ -19,7 +19,7 @@ from kvconnector.config import ConnectorConfig
 from kvconnector.kernels.batched import PagedCopier, block_runs
 from kvconnector.layout import LayerLayout, LayoutError, describe_layers
 from kvconnector.ledger import Ledger
-from kvconnector.metadata import ChunkTransfer, StepPlan, WorkerReport
+from kvconnector.metadata import IDLE_WAIT_S, ChunkTransfer, StepPlan, WorkerReport
 from kvconnector.metrics import DiskTap, StoreTap
 from kvconnector.stats import TransferStats
 from kvconnector.store import ChunkCorrupt, SlotPool, open_disk, open_redis
@@ -142,8 +142,8 @@ class WorkerHalf:
         for t in plan.async_loads:
             by_request.setdefault(t.req_id, []).append(t)
         for req_id, transfers in by_request.items():
-            self.copies.submit(lambda r=req_id, ts=transfers: self._load_request(r, ts),
-                               [req_id], [t.slot for t in transfers])
+            self.ledger.start_fetch(lambda r=req_id, ts=transfers: self.copies.submit(
+                lambda: self._load_request(r, ts), [r], [t.slot for t in ts]))
 
     def _load_request(self, req_id: str, transfers: list[ChunkTransfer]) -> None:
         try:
@@ -158,6 +158,7 @@ class WorkerHalf:
                 self._load_failed(t, "error")
         finally:  # vLLM releases the request only once it is reported, failed or not
             self.ledger.received(req_id)
+            self.ledger.fetch_over()
 
     def _load_chunks(self, transfers: list[ChunkTransfer], on_copy_thread: bool) -> None:
         """Check every slot's key, then move all the chunks that passed at once. A slot
@@ -294,8 +295,12 @@ class WorkerHalf:
         if plan.fence:
             self.copies.wait_for_requests(plan.fence)
 
-    def finished_loading(self) -> set[str]:
-        """Parked requests whose loads are done (failed ones included)."""
+    def finished_loading(self, idle: bool = False) -> set[str]:
+        """Parked requests whose loads are done (failed ones included). In a step that
+        computed nothing (``idle``), first wait up to ``IDLE_WAIT_S`` for a fetch in
+        flight: nothing else is running, and the copy thread gets the GIL meanwhile."""
+        if idle:
+            self.ledger.wait_for_fetch(IDLE_WAIT_S)
         if self.blend is not None:
             self.blend.run_ready()
         return self.ledger.take_received()

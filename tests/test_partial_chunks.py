@@ -58,6 +58,7 @@ def step_output(scheduled: dict[str, int], blocks: dict[str, list[int]],
     new = new or {}
     return SimpleNamespace(
         num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
         kv_connector_block_state=SimpleNamespace(get_block_ids=lambda r: (blocks[r],)),
         scheduled_new_reqs=[SimpleNamespace(block_ids=(ids,)) for ids in new.values()],
         scheduled_cached_reqs=SimpleNamespace(new_block_ids=[], resumed_req_ids=set()),

@@ -35,7 +35,7 @@ def test_ledger_reports_once_and_then_is_empty():
     ledger.received("p")
     ledger.count(loaded_chunks=2)
     assert ledger.outstanding() == {"load_errors": 3, "bad_chunks": 2, "failed_loads": 1,
-                                    "received": 1}
+                                    "received": 1, "fetches": 0}
     report = ledger.take_report()
     assert report is not None
     assert report.bad_chunks == {h(1), h(2)} and report.failed_loads == {"r": 1}
@@ -129,3 +129,55 @@ def test_blend_worker_is_a_plug_in_of_the_worker_half():
                 and isinstance(n.value, ast.Attribute) and n.value.attr in ("half", "store",
                                                                             "ledger")
                 and n.attr.startswith("_")]
+
+
+def test_an_idle_step_waits_for_a_fetch_in_flight_and_only_then():
+    import threading
+    import time
+
+    ledger = Ledger()
+    start = time.perf_counter()
+    ledger.wait_for_fetch(1.0)  # nothing in flight: no wait
+    assert time.perf_counter() - start < 0.1
+    ledger.start_fetch(lambda: None)
+    ledger.start_fetch(lambda: None)
+    with pytest.raises(RuntimeError):  # a fetch that could not be queued is not counted
+        ledger.start_fetch(lambda: (_ for _ in ()).throw(RuntimeError("shut down")))
+    threading.Timer(0.05, ledger.fetch_over).start()
+    start = time.perf_counter()
+    ledger.wait_for_fetch(5.0)  # returns when one of the two ends, not at the timeout
+    assert 0.04 < time.perf_counter() - start < 2.0
+    assert ledger.outstanding()["fetches"] == 1
+    start = time.perf_counter()
+    ledger.wait_for_fetch(0.05)  # the other never ends: the timeout bounds the wait
+    assert 0.04 < time.perf_counter() - start < 2.0
+    ledger.fetch_over()
+    assert ledger.outstanding()["fetches"] == 0
+
+
+def test_an_idle_scheduler_step_waits_for_the_redis_answers_asked():
+    import time
+
+    from kvconnector.lookups import Lookups
+
+    lookups = Lookups(None, 1.0)  # type: ignore[arg-type]  # the question asks no store
+    try:
+        start = time.perf_counter()
+        lookups.wait(1.0)  # nothing asked: no wait
+        assert time.perf_counter() - start < 0.1
+
+        def slow(_redis, _budget: float) -> int:
+            time.sleep(0.05)
+            return 7
+
+        asked, answer = lookups.answer(None, "q1", slow, 0)
+        assert answer is None
+        lookups.wait(5.0)  # returns when answered, not at the timeout
+        assert asked.answer.done()
+        assert lookups.answer(asked, "q1", slow, 0)[1] == 7
+        asked, _ = lookups.answer(None, "q2", lambda r, b: time.sleep(1.0), 0)
+        start = time.perf_counter()
+        lookups.wait(0.05)  # a slow Redis: the timeout bounds the wait
+        assert time.perf_counter() - start < 0.5 and not asked.answer.done()
+    finally:
+        lookups.shutdown()

@@ -125,7 +125,8 @@ class BlendWorker:
                 continue
             with self._lock:
                 self._fetching.add(job.req_id)
-            self.copies.submit(lambda j=job: self._fetch(j), [job.req_id], job.slots)
+            self.ledger.start_fetch(lambda j=job: self.copies.submit(
+                lambda: self._fetch(j), [j.req_id], j.slots))
 
     def _fetch(self, job: BlendJob) -> None:
         """Copy thread: pieces from disk or Redis into their slots; the blend waits for the
@@ -140,6 +141,7 @@ class BlendWorker:
             with self._lock:
                 self._fetching.discard(job.req_id)
                 self._ready.append(job)
+            self.ledger.fetch_over()
 
     def run_ready(self) -> None:
         """Main thread, after a forward pass: blend the parked requests whose pieces have

@@ -22,7 +22,7 @@ from kvconnector.lookups import Lookups
 from kvconnector.metadata import IDLE_WAIT_S, ChunkTransfer, StepPlan, WorkerReport
 from kvconnector.metrics import StoreTap
 from kvconnector.prefix import PrefixReuse
-from kvconnector.request_state import PENDING, RequestState
+from kvconnector.request_state import PENDING, PrefixHit, RequestState
 from kvconnector.saves import SavePlanner
 from kvconnector.stats import TransferStats
 from kvconnector.store import MemoryIndex, open_redis
@@ -99,17 +99,27 @@ class SchedulerHalf:
         st.offer = None
         if st.skip_reason:
             return 0, False
-        hit = None
-        if self.blend is not None and st.load_limit is None:
-            hit = self.blend.match(st, num_computed_tokens)
-        if hit is None:
-            hit = self.prefix.match(st, num_computed_tokens)
+        hit = self._match(st, num_computed_tokens)
+        if hit == PENDING and self.lookups is not None and len(self._requests) == 1:
+            # No other request in the engine: waiting for Redis here delays nobody, and
+            # saves the idle step vLLM would spin before asking again.
+            self.lookups.wait(IDLE_WAIT_S)
+            hit = self._match(st, num_computed_tokens)
         if hit == PENDING:
             return None, False
         if hit is None or isinstance(hit, str):
             return 0, False
         st.offer = hit
         return hit.tokens, hit.load_async
+
+    def _match(self, st: RequestState,
+               num_computed_tokens: int) -> PrefixHit | BlendHit | str | None:
+        hit = None
+        if self.blend is not None and st.load_limit is None:
+            hit = self.blend.match(st, num_computed_tokens)
+        if hit is None:
+            hit = self.prefix.match(st, num_computed_tokens)
+        return hit
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:

@@ -211,3 +211,23 @@ def test_partial_chunk_found_in_redis(half):
     assert [(t.index, t.block_ids, t.source) for t in plan.async_loads] == [
         (0, [0, 1, 2, 3], "redis"), (1, [4, -1, -1, -1], "redis")]
     half.prefix.lookups.shutdown()
+
+
+def test_a_lone_request_waits_for_its_redis_answer_others_ask_again(half, monkeypatch):
+    """With no other request in the engine, the first match waits (briefly) for Redis:
+    vLLM would otherwise spin an idle step before asking again. With another request
+    live, the scheduler never waits on the network."""
+    tokens = prompt(1, 100)
+    h0 = chunk_hashes(tokens, CHUNK, FP.digest())[0]
+    redis = FakeRedis({str(ChunkKey(FP.digest(), 0, h0))})
+    threading.Timer(0.05, redis.gate.set).start()  # Redis answers 50 ms after asked
+    half.lookups = half.prefix.lookups = Lookups(redis, 1.0)
+    monkeypatch.setattr("kvconnector.scheduler.IDLE_WAIT_S", 5.0)  # a slow machine too
+    try:
+        assert half.get_num_new_matched_tokens(FakeRequest("r", tokens), 0) == (64, True)
+        redis.gate.clear()  # answered only once the test lets it
+        other = FakeRequest("s", prompt(2, 100))
+        assert half.get_num_new_matched_tokens(other, 0) == (None, False)
+        redis.gate.set()
+    finally:
+        half.prefix.lookups.shutdown()

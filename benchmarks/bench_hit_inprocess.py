@@ -8,9 +8,9 @@ where the engine's loop, the connector's threads and the caller share one GIL.
 then an engine here with an empty memory tier serves them from Redis. ``memory``: one engine
 here stores, then serves them from memory. Prints each hit's TTFT (a one-token generation)
 and their median, leaving out the first; ``--timeline`` also prints when each of the
-connector's hooks ran during the last hit. To compare code before and after a change:
-``PYTHONPATH=<another checkout> python benchmarks/bench_hit_inprocess.py`` runs the same
-measurement on that checkout's kvconnector.
+connector's hooks ran during the last hit. To compare code before and after a change, copy
+this script into the other checkout's ``benchmarks/`` and run it there: ``common.py`` puts
+the checkout it lives in first on the path (``PYTHONPATH`` alone does not switch it).
 """
 
 from __future__ import annotations

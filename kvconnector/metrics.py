@@ -82,8 +82,8 @@ COUNTERS = (
            "writes were paused after the file system refused one."),
     Family("phase_seconds", "Time spent in each of kvconnector's vLLM hooks, by hook (what "
            "the connector costs on vLLM's own threads: the scheduler's, and the worker's "
-           "around the forward pass), and by the worker's copy thread (phase=copy_thread).",
-           "phase"),
+           "around the forward pass), and busy time of the worker's background threads "
+           "(phase=copy_thread, disk_writes, redis_writes).", "phase"),
     Family("blend_requests", "Requests served by blend (documents reused at any position)."),
     Family("blend_loaded_tokens", "Blended tokens whose stored KV was reused."),
     Family("blend_recomputed_tokens", "Blended tokens recomputed (selected, or in no stored "

@@ -231,3 +231,27 @@ def test_a_lone_request_waits_for_its_redis_answer_others_ask_again(half, monkey
         redis.gate.set()
     finally:
         half.prefix.lookups.shutdown()
+
+
+def test_a_step_that_schedules_nothing_waits_for_the_redis_answers(half, monkeypatch):
+    """While requests only wait for Redis, vLLM runs steps with nothing to compute: such a
+    step (and only such a step) waits for the answers asked, so the next step finds them."""
+    tokens = prompt(1, 100)
+    h0 = chunk_hashes(tokens, CHUNK, FP.digest())[0]
+    redis = FakeRedis({str(ChunkKey(FP.digest(), 0, h0))})
+    half.lookups = half.prefix.lookups = Lookups(redis, 1.0)
+    monkeypatch.setattr("kvconnector.scheduler.IDLE_WAIT_S", 5.0)
+    try:
+        half.get_num_new_matched_tokens(FakeRequest("other", prompt(3, 40)), 0)  # not alone
+        req = FakeRequest("r", tokens)
+        assert half.get_num_new_matched_tokens(req, 0) == (None, False)
+        busy = step_output({"other": 40}, {"other": [9]})
+        threading.Timer(0.3, redis.gate.set).start()  # Redis answers 0.3 s after asked
+        start = time.monotonic()
+        assert not half.build_meta(busy).idle  # a step that computes never waits
+        assert time.monotonic() - start < 0.25
+        assert half.build_meta(step_output({}, {})).idle  # waits for the answer
+        assert half.get_num_new_matched_tokens(req, 0) == (64, True)
+    finally:
+        redis.gate.set()
+        half.prefix.lookups.shutdown()

@@ -28,6 +28,29 @@ _METHODS = ("forward", "forward_native", "forward_static", "forward_cuda", "forw
             "forward_hip", "forward_xpu")
 
 
+def _check_linear(name: str, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """The float32 table must be ``m * (cos, sin)(p * w)`` for one ``w`` and magnitude
+    ``m``."""
+    n = cos.shape[0]
+    mag = torch.sqrt(cos ** 2 + sin ** 2)
+    m = float(mag[0].mean())
+    if n < 2 or not torch.allclose(mag, torch.full_like(mag, m), rtol=1e-4, atol=0):
+        raise RopeUnsupported(f"rotary embedding {name}: its table's magnitude varies "
+                              "with the position")
+    w = torch.atan2(sin[1], cos[1])
+    pos = torch.arange(0, n, max(1, n // 257), dtype=torch.float64)
+    pos = torch.cat([pos, torch.tensor([n - 1.0])])
+    angle = pos[:, None] * w[None, :]
+    err = ((cos[pos.long()] - m * torch.cos(angle)).abs().max()
+           + (sin[pos.long()] - m * torch.sin(angle)).abs().max())
+    # Float32 angles drift by about position * 6e-8 rad; non-linear tables are off by far
+    # more than this bound.
+    if float(err) > 1e-2 * m + n * 1e-7:
+        raise RopeUnsupported(
+            f"rotary embedding {name}: its angles are not proportional to the position "
+            f"(off by {float(err):.3g}), so a stored key cannot be moved by one rotation")
+
+
 class ReRotator:
     def __init__(self, rope: torch.nn.Module) -> None:
         from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
@@ -43,38 +66,15 @@ class ReRotator:
         self.head_size: int = rope.head_size
         self.neox: bool = rope.is_neox_style
         half = self.rotary_dim // 2
-        table = rope._compute_cos_sin_cache().to(torch.float64)  # [max_pos, rotary_dim]
-        self.cos, self.sin = table[:, :half], table[:, half:]
-        self.max_position = table.shape[0]
-        self._check_linear(name)
+        exact = rope._compute_cos_sin_cache().to(torch.float64)  # [max_pos, rotary_dim]
+        self.max_position = exact.shape[0]
+        _check_linear(name, exact[:, :half], exact[:, half:])
         used = getattr(rope, "cos_sin_cache", None)  # as vLLM holds it: the model's dtype
-        if used is None or used.shape != table.shape:
+        if used is None or used.shape != exact.shape:
             raise RopeUnsupported(f"rotary embedding {name}: it holds no cos/sin cache of "
-                                  f"shape {tuple(table.shape)} to rotate with")
+                                  f"shape {tuple(exact.shape)} to rotate with")
         used = used.to("cpu", torch.float64)
         self.cos, self.sin = used[:, :half], used[:, half:]
-
-    def _check_linear(self, name: str) -> None:
-        """The table must be ``m * (cos, sin)(p * w)`` for one ``w`` and magnitude ``m``."""
-        mag = torch.sqrt(self.cos ** 2 + self.sin ** 2)
-        self.magnitude = float(mag[0].mean())
-        if self.max_position < 2 or not torch.allclose(
-                mag, torch.full_like(mag, self.magnitude), rtol=1e-4, atol=0):
-            raise RopeUnsupported(f"rotary embedding {name}: its table's magnitude varies "
-                                  "with the position")
-        w = torch.atan2(self.sin[1], self.cos[1])
-        step = max(1, self.max_position // 257)
-        pos = torch.arange(0, self.max_position, step, dtype=torch.float64)
-        pos = torch.cat([pos, torch.tensor([self.max_position - 1.0])])
-        angle = pos[:, None] * w[None, :]
-        err = ((self.cos[pos.long()] - self.magnitude * torch.cos(angle)).abs().max()
-               + (self.sin[pos.long()] - self.magnitude * torch.sin(angle)).abs().max())
-        # Float32 angles drift by about position * 6e-8 rad; non-linear tables are off by
-        # far more than this bound.
-        if float(err) > 1e-2 * self.magnitude + self.max_position * 1e-7:
-            raise RopeUnsupported(
-                f"rotary embedding {name}: its angles are not proportional to the position "
-                f"(off by {float(err):.3g}), so a stored key cannot be moved by one rotation")
 
     def delta(self, from_pos: int, to_pos: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[n, rotary_dim / 2]`` of the rotations that move keys from

@@ -1,16 +1,19 @@
-"""A hit's TTFT with vLLM's engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
-where the engine's loop, the connector's threads and the caller share one GIL.
+"""A hit's TTFT with vLLM's engine loop and its worker in one process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no process waits on another by spinning, which on a
+2-core machine takes a core from redis-server while a hit's chunks are fetched.
 
-    python benchmarks/bench_hit_inprocess.py --tier redis --tokens 4096 --prompts 8
+    python benchmarks/bench_hit_inprocess.py --tier vllm,memory,redis --tokens 4096
     python benchmarks/bench_hit_inprocess.py --tier memory --timeline
 
-``redis``: a first engine (in a fresh process) stores the prompts in a local redis-server,
-then an engine here with an empty memory tier serves them from Redis. ``memory``: one engine
-here stores, then serves them from memory. Prints each hit's TTFT (a one-token generation)
-and their median, leaving out the first; ``--timeline`` also prints when each of the
-connector's hooks ran during the last hit. To compare code before and after a change, copy
-this script into the other checkout's ``benchmarks/`` and run it there: ``common.py`` puts
-the checkout it lives in first on the path (``PYTHONPATH`` alone does not switch it).
+Each tier runs in a fresh process, one after another, on the same prompts. ``vllm``: vLLM's
+own prefix-cache hit (no connector; the floor). ``memory``: the engine stores the prompts,
+then serves them from memory. ``redis``: a first engine stores the prompts in a local
+redis-server, then an engine with an empty memory tier serves them from Redis. Prints each
+hit's TTFT (a one-token generation), their median leaving out the first, and the ratio to
+``vllm`` when it ran; ``--timeline`` also prints when each of the connector's hooks ran
+during the last hit. To compare code before and after a change, copy this script into the
+other checkout's ``benchmarks/`` and run it there: ``common.py`` puts the checkout it lives
+in first on the path (``PYTHONPATH`` alone does not switch it).
 """
 
 from __future__ import annotations
@@ -62,49 +65,65 @@ def record_hooks(events: list[tuple[float, str]]) -> None:
         setattr(KVConnector, name, timed)
 
 
+def measure(model: str, args, tier: str, prompts: list[list[int]], vocab: int) -> dict:
+    """Hits of ``prompts`` in an engine in this process: times, and the last hit's hooks."""
+    extra = {"memory_capacity": args.memory_capacity}
+    if tier == "redis":
+        extra["redis_url"] = args.redis_url
+        in_fresh_process(fill, model, args, connector(extra), prompts)
+    events: list[tuple[float, str]] = []
+    if args.timeline and tier != "vllm":
+        record_hooks(events)
+    times = []
+    start = 0.0
+    with engine(model, args, None if tier == "vllm" else connector(extra), args.tokens + 64,
+                enable_prefix_caching=tier == "vllm",
+                max_num_batched_tokens=args.tokens + 64) as llm:
+        timed_generate(llm, [random_prompt(random.Random(9), 300, vocab)], 1)
+        if tier != "redis":
+            for q in prompts:
+                timed_generate(llm, [q], 1)
+        for q in prompts:
+            events.clear()
+            start = time.perf_counter()
+            secs, _ = timed_generate(llm, [q], 1)
+            times.append(secs)
+    return {"ttft_s": times, "median_s": statistics.median(times[1:] or times),
+            "timeline": [((t - start) * 1e3, name) for t, name in events]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     p.set_defaults(dtype="bfloat16")
-    p.add_argument("--tier", choices=("memory", "redis"), default="redis")
+    p.add_argument("--tier", default="redis",
+                   help="comma-separated, each in a fresh process: vllm (vLLM's own "
+                        "prefix-cache hit, no connector), memory, redis")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--timeline", action="store_true")
     args = p.parse_args()
-    args.redis = args.tier == "redis"
+    tiers = args.tier.split(",")
+    if unknown := set(tiers) - {"vllm", "memory", "redis"}:
+        p.error(f"--tier: unknown {sorted(unknown)}; choose from vllm, memory, redis")
+    args.redis = "redis" in tiers
     with redis_for(args) as args:
         model, vocab = resolve_model(args)
         rng = random.Random(0)
         prompts = [random_prompt(rng, args.tokens, vocab) for _ in range(args.prompts)]
-        extra = {"memory_capacity": args.memory_capacity}
-        if args.tier == "redis":
-            extra["redis_url"] = args.redis_url
-            in_fresh_process(fill, model, args, connector(extra), prompts)
-        events: list[tuple[float, str]] = []
-        if args.timeline:
-            record_hooks(events)
-        times = []
-        with engine(model, args, connector(extra), args.tokens + 64,
-                    enable_prefix_caching=False,
-                    max_num_batched_tokens=args.tokens + 64) as llm:
-            timed_generate(llm, [random_prompt(random.Random(9), 300, vocab)], 1)
-            if args.tier == "memory":
-                for q in prompts:
-                    timed_generate(llm, [q], 1)
-            for q in prompts:
-                events.clear()
-                start = time.perf_counter()
-                secs, _ = timed_generate(llm, [q], 1)
-                times.append(secs)
-    median = statistics.median(times[1:] or times)
-    print(f"{args.tier} hits, {args.tokens} tokens: " + " ".join(f"{t * 1e3:.1f}" for t in times)
-          + f" ms; median {median * 1e3:.1f} ms")
-    for t, name in events:
-        print(f"  {(t - start) * 1e3:8.2f} ms  {name}")
-    out = write_results(args.out, f"hit_inprocess_{args.tier}",
-                        {"tier": args.tier, "tokens": args.tokens, "ttft_s": times,
-                         "median_s": median})
+        runs = {tier: in_fresh_process(measure, model, args, tier, prompts, vocab)
+                for tier in tiers}
+    floor = runs["vllm"]["median_s"] if "vllm" in runs else None
+    for tier, run in runs.items():
+        ratio = f" ({run['median_s'] / floor:.2f}x vLLM's own hit)" if floor else ""
+        print(f"{tier} hits, {args.tokens} tokens: "
+              + " ".join(f"{t * 1e3:.1f}" for t in run["ttft_s"])
+              + f" ms; median {run['median_s'] * 1e3:.1f} ms{ratio}")
+        for t, name in run["timeline"]:
+            print(f"  {t:8.2f} ms  {name}")
+    out = write_results(args.out, "hit_inprocess",
+                        {"tokens": args.tokens, "prompts": args.prompts, "runs": runs})
     print(f"results: {out}")
 
 

@@ -32,7 +32,9 @@ def add_model_args(p) -> None:
     p.add_argument("--model", help="model path or name (default: the tiny random Mistral)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="vLLM's KV budget (default 1 GiB for the tiny model)")
+                   help="vLLM's KV budget (default 1 GiB for the tiny model, 4 GiB for "
+                        "--model: vLLM's CPU build would otherwise size it from the "
+                        "machine's memory and leave none for the connector)")
     p.add_argument("--memory-capacity", default="2GiB", help="kvconnector host memory")
     p.add_argument("--redis-url", default=None, help="also measure a Redis tier")
     p.add_argument("--redis", action="store_true",
@@ -51,6 +53,8 @@ def resolve_model(args) -> tuple[str, int]:
         return str(build_tiny_mistral(ROOT / ".cache" / "tiny-mistral")), 400
     from transformers import AutoConfig
 
+    if args.kv_cache_memory_bytes is None:
+        args.kv_cache_memory_bytes = 4 << 30
     return args.model, min(AutoConfig.from_pretrained(args.model).vocab_size, 30000)
 
 

@@ -68,6 +68,10 @@ class ConnectorConfig:
         "out of vLLM's logs, which print this config).", **_PATH)
     redis_password_file: str | None = setting(
         None, "text", "A file holding the Redis password (for mounted secrets).", **_PATH)
+    sync_fetch_max_mib: int = setting(
+        64, "int", "A request alone in the engine loads up to this many MiB from the disk or "
+        "Redis before its own step's forward instead of waiting a step for them (a request "
+        "arriving in that step waits as long); 0: always wait a step.", lo=0)
     disk_path: str | None = setting(
         None, "text", "A directory for the disk tier, behind memory and before Redis; off "
         "when absent. Kept across restarts; the engines of one host may share it.", **_PATH)
@@ -151,14 +155,23 @@ class ConnectorConfig:
                 "chunk_size)")
         return self.memory_capacity // chunk_bytes
 
-    def check_memory_available(self, available: int, total: int) -> None:
+    def check_memory_available(self, available: int, total: int,
+                               kv_cache_bytes: int | None = None) -> None:
         """Refuse a memory tier larger than the memory this machine can give now (the pool
-        is touched at start-up: too large a pool gets the process killed)."""
-        if self.memory_capacity > available:
-            raise ConfigError(
-                f"memory_capacity={human_size(self.memory_capacity)} is more than this "
-                f"machine can give: {human_size(available)} available now, of "
-                f"{human_size(total)}; lower it (it is taken per worker, at start-up)")
+        is touched at start-up: too large a pool gets the process killed). Checked again
+        once vLLM holds its KV cache (``kv_cache_bytes``), which on the CPU build is sized
+        from the machine's memory and may leave too little."""
+        if self.memory_capacity <= available:
+            return
+        msg = (f"memory_capacity={human_size(self.memory_capacity)} is more than this "
+               f"machine can give: {human_size(available)} available now, of "
+               f"{human_size(total)}")
+        if kv_cache_bytes is None:
+            raise ConfigError(f"{msg}; lower it (it is taken per worker, at start-up)")
+        raise ConfigError(
+            f"{msg}, once vLLM took {human_size(kv_cache_bytes)} for its KV cache; lower "
+            "memory_capacity or vLLM's KV cache (kv_cache_memory_bytes, or "
+            "VLLM_CPU_KVCACHE_SPACE on the CPU build)")
 
     def check_block_size(self, block_size: int) -> None:
         if self.chunk_size % block_size:

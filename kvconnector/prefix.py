@@ -30,13 +30,17 @@ class Held:
     partial_hash: bytes | None = None
     from_memory: int = 0  # leading tokens of it held in memory, readable at once
     sources: tuple[str, ...] = ()
+    arriving: bool = False  # a chunk of it is still being fetched for another request
 
 
 class PrefixReuse:
     def __init__(self, config: ConnectorConfig, block_size: int, fingerprint: bytes,
                  tp_size: int, index: MemoryIndex, fetches: Fetches,
-                 lookups: Lookups | None, disk: DiskCatalog | None = None) -> None:
+                 lookups: Lookups | None, disk: DiskCatalog | None = None,
+                 chunk_bytes: int = 0) -> None:
         self.chunk_size = config.chunk_size
+        self.chunk_bytes = chunk_bytes
+        self.sync_fetch_max_bytes = config.sync_fetch_max_mib << 20
         self.block_size = block_size
         self.blocks_per_chunk = config.chunk_size // block_size
         self.fingerprint = fingerprint
@@ -48,10 +52,13 @@ class PrefixReuse:
         # A chunk held in memory at the lookup but evicted since is looked for here.
         self.nearest_lower = "disk" if disk is not None else "redis"
 
-    def match(self, st: RequestState, num_computed: int) -> PrefixHit | str | None:
+    def match(self, st: RequestState, num_computed: int,
+              alone: bool = False) -> PrefixHit | str | None:
         """The hit beyond vLLM's own ``num_computed`` tokens, PENDING while Redis is asked.
         Memory hits load synchronously; a hit that needs the disk or Redis loads
-        asynchronously while the request waits in vLLM's WAITING_FOR_REMOTE_KVS."""
+        asynchronously while the request waits in vLLM's WAITING_FOR_REMOTE_KVS, unless the
+        request is ``alone`` in the engine: then up to ``sync_fetch_max_mib`` are fetched
+        before its own step's forward, which saves the step that would report the fetch."""
         req = st.request
         # A load must leave at least one token for the forward pass.
         cap = (req.num_tokens - 1) // self.block_size * self.block_size
@@ -63,8 +70,12 @@ class PrefixReuse:
             return None
         partial = ((held.full, held.partial_hash, held.partial_blocks)
                    if held.partial_hash is not None else None)
-        return PrefixHit(num_computed, hit - num_computed, hit > held.from_memory, partial,
-                         held.sources)
+        load_async = hit > held.from_memory
+        lower = sum(s != "memory" for s in held.sources)
+        fetch_now = (load_async and alone and not held.arriving
+                     and lower * self.chunk_bytes <= self.sync_fetch_max_bytes)
+        return PrefixHit(num_computed, hit - num_computed, load_async and not fetch_now,
+                         partial, held.sources, fetch_now)
 
     def _partial_blocks(self, chunk: int, cap: int) -> int:
         """Most blocks a partial chunk at index ``chunk`` can give within ``cap`` tokens."""
@@ -140,7 +151,8 @@ class PrefixReuse:
         from_memory = ready * self.chunk_size
         if full == ready and ph is not None and ph in self.index and ph not in self.fetches:
             from_memory += k * self.block_size
-        return Held(full, k, ph, from_memory, tuple(sources))
+        arriving = ready < in_memory or (ph is not None and ph in self.fetches)
+        return Held(full, k, ph, from_memory, tuple(sources), arriving)
 
     def _ask_redis(self, st: RequestState, hashes: list[bytes], start: int,
                    cap: int) -> tuple[int, int] | None:
@@ -183,7 +195,8 @@ class PrefixReuse:
             if h not in self.index:
                 found = hit.sources[ci] if ci < len(hit.sources) else "memory"
                 source = found if found != "memory" else self.nearest_lower
-            if not hit.load_async and (source != "memory" or h in self.fetches):
+            if not hit.load_async and (h in self.fetches or (
+                    source != "memory" and not hit.fetch_now)):
                 slot = MISSING_SLOT  # evicted since the lookup: reported and recomputed
             elif source != "memory":  # promoted into memory: the worker fetches it first
                 slot = self.index.allocate(h)
@@ -191,7 +204,8 @@ class PrefixReuse:
                     slot = MISSING_SLOT
                 else:
                     self.index.use(h)
-                    self.fetches.promote(req_id, h)
+                    if hit.load_async:  # else fetched before this step's forward
+                        self.fetches.promote(req_id, h)
             else:
                 slot = self.index.use(h)
             first = ci * c // bs

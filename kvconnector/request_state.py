@@ -29,6 +29,9 @@ class PrefixHit:
     # Per chunk index from the first: the tier that held it at the lookup ("memory",
     # "disk", "redis"); the partial chunk is the last entry when there is one.
     sources: tuple[str, ...] = ()
+    # Loaded before the step's forward although some chunks come from the disk or Redis:
+    # the worker fetches them first (a request alone in the engine delays nobody).
+    fetch_now: bool = False
 
 
 @dataclass

@@ -65,7 +65,8 @@ class SchedulerHalf:
         self.stats = TransferStats()
         self.prefix = PrefixReuse(config, self.block_size, self.fingerprint,
                                   vllm_config.parallel_config.tensor_parallel_size,
-                                  self.index, self.fetches, self.lookups, self.disk)
+                                  self.index, self.fetches, self.lookups, self.disk,
+                                  compat.chunk_bytes(kv_cache_config, config))
         self.saves = SavePlanner(config, self.block_size, self.index, self.events)
         self.blend = (BlendScheduler(config, vllm_config, self.block_size, self.fingerprint,
                                      self.index, self.fetches, self.lookups, self.stats,
@@ -118,7 +119,7 @@ class SchedulerHalf:
         if self.blend is not None and st.load_limit is None:
             hit = self.blend.match(st, num_computed_tokens)
         if hit is None:
-            hit = self.prefix.match(st, num_computed_tokens)
+            hit = self.prefix.match(st, num_computed_tokens, alone=len(self._requests) == 1)
         return hit
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,

@@ -92,6 +92,10 @@ class WorkerHalf:
                               f"{self.spec.block_size}")
         self._ratio = self.spec.block_size // kbs
         shape = (len(self.layers), *self.layout.chunk_shape(self.config.chunk_size // kbs))
+        if not self.layers[0].is_cuda:  # the KV cache came out of the same memory
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in self.layers}
+            self.config.check_memory_available(*host_memory(), sum(storages.values()))
         redis = open_redis(self.config)
         self.pool = SlotPool(self.num_slots, shape, self.layout.dtype,
                              checksums=redis is not None)
@@ -127,9 +131,11 @@ class WorkerHalf:
 
     # ---- loads ----
     def load(self, plan: StepPlan) -> None:
-        """Chunks this step's forward needs, in place before it starts."""
+        """Chunks this step's forward needs, in place before it starts; those the scheduler
+        found only on disk or in Redis (for a request alone in the engine) fetched first."""
         try:
             self.copies.wait_for_slots(t.slot for t in plan.loads)
+            self._fetch(plan.loads)
             self._load_chunks(plan.loads, on_copy_thread=False)
         except Exception:  # never the request, never the engine: a recompute
             logger.exception("kvconnector: loading %d chunks failed", len(plan.loads))
@@ -147,9 +153,7 @@ class WorkerHalf:
 
     def _load_request(self, req_id: str, transfers: list[ChunkTransfer]) -> None:
         try:
-            assert self.store is not None
-            self.store.fetch([(t.slot, t.chunk_hash, t.source, t.blocks) for t in transfers
-                              if t.source != "memory" and t.slot >= 0])
+            self._fetch(transfers)
             self._load_chunks(transfers, on_copy_thread=True)
         except Exception:  # blocks that may not have been written are recomputed
             logger.exception("kvconnector: loading request %s failed; its blocks will be "
@@ -159,6 +163,12 @@ class WorkerHalf:
         finally:  # vLLM releases the request only once it is reported, failed or not
             self.ledger.received(req_id)
             self.ledger.fetch_over()
+
+    def _fetch(self, transfers: list[ChunkTransfer]) -> None:
+        """Chunks promoted from the disk or Redis, into their slots."""
+        assert self.store is not None
+        self.store.fetch([(t.slot, t.chunk_hash, t.source, t.blocks) for t in transfers
+                          if t.source != "memory" and t.slot >= 0])
 
     def _load_chunks(self, transfers: list[ChunkTransfer], on_copy_thread: bool) -> None:
         """Check every slot's key, then move all the chunks that passed at once. A slot

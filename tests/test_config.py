@@ -105,6 +105,10 @@ def test_memory_capacity_above_what_the_machine_has_is_refused():
                                           r"can give: 16GiB available now, of 32GiB"):
         cfg.check_memory_available(16 << 30, 32 << 30)
     cfg.check_memory_available(10 ** 13, 10 ** 13)
+    with pytest.raises(ConfigError, match=r"available now, of 32GiB, once vLLM took 20GiB for "
+                                          r"its KV cache; lower memory_capacity or vLLM's KV "
+                                          r"cache \(kv_cache_memory_bytes"):
+        cfg.check_memory_available(16 << 30, 32 << 30, kv_cache_bytes=20 << 30)
 
 
 def _doc_default(key: str, value: object) -> str:

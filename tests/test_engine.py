@@ -118,7 +118,10 @@ def test_corrupt_value_in_redis_is_detected_and_recomputed(tiny_model, tmp_path_
                 {"op": "redis_stats"}]})
     out, totals, stats = reader[0][0], reader[1], reader[2]
     assert stats["corrupt_reasons"] == {"checksum": 1} and stats["corrupt_deleted"] == 1
-    assert totals["load_errors"] == 1 and out["cached"] == 0
+    assert totals["load_errors"] == 1
+    # A lone request's Redis hit loads before its step; vLLM counts it as cached when it
+    # schedules the request and keeps that count after the load failed (recomputed).
+    assert out["cached"] == P1_HIT
     assert out["tokens"] == fp32_baseline["P1"]
 
 

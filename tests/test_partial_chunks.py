@@ -197,6 +197,7 @@ def test_partial_chunk_found_in_redis(half):
               str(ChunkKey(FP.digest(), 0, partial_chunk_hash(h0, tokens[64:80])))}
     redis = FakeRedis(stored)
     half.prefix.lookups = Lookups(redis, 1.0)
+    half.get_num_new_matched_tokens(FakeRequest("other", prompt(3, 40)), 0)  # not alone
     req = FakeRequest("r", tokens)
     assert half.get_num_new_matched_tokens(req, 0) == (None, False)  # asked, not answered
     redis.gate.set()
@@ -224,11 +225,77 @@ def test_a_lone_request_waits_for_its_redis_answer_others_ask_again(half, monkey
     half.lookups = half.prefix.lookups = Lookups(redis, 1.0)
     monkeypatch.setattr("kvconnector.scheduler.IDLE_WAIT_S", 5.0)  # a slow machine too
     try:
-        assert half.get_num_new_matched_tokens(FakeRequest("r", tokens), 0) == (64, True)
+        assert half.get_num_new_matched_tokens(FakeRequest("r", tokens), 0) == (64, False)
         redis.gate.clear()  # answered only once the test lets it
         other = FakeRequest("s", prompt(2, 100))
         assert half.get_num_new_matched_tokens(other, 0) == (None, False)
         redis.gate.set()
+    finally:
+        half.prefix.lookups.shutdown()
+
+
+def _redis_hit(half: SchedulerHalf, req: FakeRequest, others: int = 0):
+    """``req``'s answer once Redis (holding chunk 0 and one block of chunk 1) answered."""
+    tokens = req.all_token_ids
+    h0 = chunk_hashes(tokens, CHUNK, FP.digest())[0]
+    redis = FakeRedis({str(ChunkKey(FP.digest(), 0, h0)),
+                       str(ChunkKey(FP.digest(), 0, partial_chunk_hash(h0, tokens[64:80])))})
+    redis.gate.set()
+    half.lookups = half.prefix.lookups = Lookups(redis, 1.0)
+    for i in range(others):
+        half.get_num_new_matched_tokens(FakeRequest(f"other{i}", prompt(3 + i, 40)), 0)
+    deadline = time.monotonic() + 5
+    while (answer := half.get_num_new_matched_tokens(req, 0))[0] is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return answer
+
+
+def test_a_lone_request_fetches_its_redis_hit_before_its_own_step(half):
+    """Alone in the engine, a Redis hit loads like a memory hit: promoted into slots that the
+    worker fills before the forward (no step parked in WAITING_FOR_REMOTE_KVS, nothing left
+    arriving). With another request live it is parked, as before."""
+    req = FakeRequest("r", prompt(1, 100))
+    try:
+        assert _redis_hit(half, req) == (80, False)
+        half.update_state_after_alloc(req, blocks_of(list(range(7))), 80)
+        plan = half.build_meta(step_output({"r": 20}, {"r": list(range(7))},
+                                           {"r": list(range(7))}))
+        assert not plan.async_loads
+        assert [(t.index, t.block_ids, t.source) for t in plan.loads] == [
+            (0, [0, 1, 2, 3], "redis"), (1, [4, -1, -1, -1], "redis")]
+        assert all(t.slot >= 0 for t in plan.loads)
+        assert half.outstanding()["arriving"] == 0  # nothing waits for a report
+        assert all(t.chunk_hash in half.index for t in plan.loads)
+    finally:
+        half.prefix.lookups.shutdown()
+
+
+def test_a_lone_request_over_the_sync_fetch_bound_is_parked(half):
+    half.prefix.sync_fetch_max_bytes = half.prefix.chunk_bytes  # the hit needs two chunks
+    try:
+        assert _redis_hit(half, FakeRequest("r", prompt(1, 100))) == (80, True)
+    finally:
+        half.prefix.lookups.shutdown()
+
+
+def test_a_lone_request_waits_for_chunks_still_arriving_for_another(half):
+    """A chunk promoted for a parked request is not readable until that request's fetch is
+    reported: a lone request sharing it is parked too, never loads it before it arrives."""
+    first = FakeRequest("first", prompt(1, 100))
+    try:
+        assert _redis_hit(half, first, others=1) == (80, True)
+        half.update_state_after_alloc(first, blocks_of(list(range(7))), 80)
+        half.build_meta(step_output({}, {}))
+        first.status = RequestStatus.FINISHED_ABORTED
+        half.request_finished(first, list(range(7)))  # aborted while parked
+        half.request_finished(FakeRequest("other0", prompt(3, 40)), [])
+        second = FakeRequest("second", prompt(1, 100))
+        assert half.get_num_new_matched_tokens(second, 0) == (80, True)
+        half.update_state_after_alloc(second, blocks_of(list(range(10, 17))), 80)
+        plan = half.build_meta(step_output({}, {}))
+        assert [t.source for t in plan.async_loads] == ["memory", "memory"]
+        assert not plan.loads
     finally:
         half.prefix.lookups.shutdown()
 

@@ -181,3 +181,26 @@ def test_an_idle_scheduler_step_waits_for_the_redis_answers_asked():
         assert time.perf_counter() - start < 0.5 and not asked.answer.done()
     finally:
         lookups.shutdown()
+
+
+def test_get_finished_waits_only_in_a_step_that_scheduled_nothing():
+    """The hook passes the plan's ``idle`` to the worker half, which waits only then (the
+    wait itself: the test above); no plan bound (vLLM's shutdown path): no wait."""
+    from kvconnector.connector import KVConnector
+    from kvconnector.metadata import StepPlan
+
+    asked: list[bool] = []
+
+    class Half:
+        def finished_loading(self, idle: bool = False) -> set[str]:
+            asked.append(idle)
+            return {"r"} if idle else set()
+
+    conn = object.__new__(KVConnector)  # the hook alone: no engine behind it
+    conn._worker, conn._phases, conn._connector_metadata = Half(), {}, None
+    assert conn.get_finished(set()) == (None, None)
+    conn.bind_connector_metadata(StepPlan(idle=True))
+    assert conn.get_finished(set()) == (None, {"r"})
+    conn.bind_connector_metadata(StepPlan(idle=False))
+    assert conn.get_finished(set()) == (None, None)
+    assert asked == [False, True, False]

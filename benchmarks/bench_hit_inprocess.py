@@ -10,10 +10,11 @@ own prefix-cache hit (no connector; the floor). ``memory``: the engine stores th
 then serves them from memory. ``redis``: a first engine stores the prompts in a local
 redis-server, then an engine with an empty memory tier serves them from Redis. Prints each
 hit's TTFT (a one-token generation), their median leaving out the first, and the ratio to
-``vllm`` when it ran; ``--timeline`` also prints when each of the connector's hooks ran
-during the last hit. To compare code before and after a change, copy this script into the
-other checkout's ``benchmarks/`` and run it there: ``common.py`` puts the checkout it lives
-in first on the path (``PYTHONPATH`` alone does not switch it).
+``vllm`` when it ran; ``--timeline`` also prints how long each hit's fetch from Redis took
+and when each of the connector's hooks ran during the last hit. To compare code before and
+after a change, copy this script into the other checkout's ``benchmarks/`` and run it
+there: ``common.py`` puts the checkout it lives in first on the path (``PYTHONPATH`` alone
+does not switch it).
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ def fill(model: str, args, kvt: dict, prompts: list[list[int]]) -> int:
     return len(prompts)
 
 
-def record_hooks(events: list[tuple[float, str]]) -> None:
+def record_hooks(events: list[tuple[float, str]], fetches: list[float]) -> None:
+    """When each hook is called, and how long each fetch from the disk or Redis takes."""
     from kvconnector.connector import KVConnector
+    from kvconnector.worker_store import WorkerStore
 
     for name in HOOKS:
         hook = getattr(KVConnector, name)
@@ -63,6 +66,17 @@ def record_hooks(events: list[tuple[float, str]]) -> None:
             return _hook(self, *a, **kw)
 
         setattr(KVConnector, name, timed)
+    fetch = WorkerStore.fetch
+
+    def timed_fetch(self, wanted):
+        start = time.perf_counter()
+        try:
+            return fetch(self, wanted)
+        finally:
+            if wanted:
+                fetches.append(time.perf_counter() - start)
+
+    WorkerStore.fetch = timed_fetch
 
 
 def measure(model: str, args, tier: str, prompts: list[list[int]], vocab: int) -> dict:
@@ -72,8 +86,9 @@ def measure(model: str, args, tier: str, prompts: list[list[int]], vocab: int) -
         extra["redis_url"] = args.redis_url
         in_fresh_process(fill, model, args, connector(extra), prompts)
     events: list[tuple[float, str]] = []
+    fetches: list[float] = []
     if args.timeline and tier != "vllm":
-        record_hooks(events)
+        record_hooks(events, fetches)
     times = []
     start = 0.0
     with engine(model, args, None if tier == "vllm" else connector(extra), args.tokens + 64,
@@ -83,13 +98,15 @@ def measure(model: str, args, tier: str, prompts: list[list[int]], vocab: int) -
         if tier != "redis":
             for q in prompts:
                 timed_generate(llm, [q], 1)
+        fetches.clear()  # those of the timed hits only
         for q in prompts:
             events.clear()
             start = time.perf_counter()
             secs, _ = timed_generate(llm, [q], 1)
             times.append(secs)
     return {"ttft_s": times, "median_s": statistics.median(times[1:] or times),
-            "timeline": [((t - start) * 1e3, name) for t, name in events]}
+            "timeline": [((t - start) * 1e3, name) for t, name in events],
+            "fetch_s": fetches}
 
 
 def main() -> None:
@@ -120,6 +137,9 @@ def main() -> None:
         print(f"{tier} hits, {args.tokens} tokens: "
               + " ".join(f"{t * 1e3:.1f}" for t in run["ttft_s"])
               + f" ms; median {run['median_s'] * 1e3:.1f} ms{ratio}")
+        if run["fetch_s"]:
+            print("  fetches (WorkerStore.fetch, each hit): "
+                  + " ".join(f"{t * 1e3:.1f}" for t in run["fetch_s"]) + " ms")
         for t, name in run["timeline"]:
             print(f"  {t:8.2f} ms  {name}")
     out = write_results(args.out, "hit_inprocess",

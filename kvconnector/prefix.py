@@ -36,8 +36,7 @@ class Held:
 class PrefixReuse:
     def __init__(self, config: ConnectorConfig, block_size: int, fingerprint: bytes,
                  tp_size: int, index: MemoryIndex, fetches: Fetches,
-                 lookups: Lookups | None, disk: DiskCatalog | None = None,
-                 chunk_bytes: int = 0) -> None:
+                 lookups: Lookups | None, disk: DiskCatalog | None, chunk_bytes: int) -> None:
         self.chunk_size = config.chunk_size
         self.chunk_bytes = chunk_bytes
         self.sync_fetch_max_bytes = config.sync_fetch_max_mib << 20

@@ -87,13 +87,14 @@ class Model:
         self.embed = m.embed_tokens
         self.device, self.dtype = torch.device("cpu"), torch.float32
 
-    def move(self, key, from_pos: int, to_pos: int):
-        """Re-rotate keys from ``from_pos ...`` to ``to_pos ...`` (one shift for all)."""
+    def mover(self, from_pos: torch.Tensor, to_pos: torch.Tensor, device):
+        """Re-rotates keys from ``from_pos[i]`` to ``to_pos[i]``."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-        pos = torch.full((1, key.shape[0]), to_pos - from_pos)
-        cos, sin = self.hf.model.rotary_emb(key, pos)
-        return apply_rotary_pos_emb(key, key, cos[0], sin[0], unsqueeze_dim=1)[1]
+        def move(key):
+            cos, sin = self.hf.model.rotary_emb(key, (to_pos - from_pos)[None])
+            return apply_rotary_pos_emb(key, key, cos[0], sin[0], unsqueeze_dim=1)[1]
+        return move
 
     def logprobs(self, tokens: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Full prefill: next-token logprobs at every position, and per layer K/V."""

@@ -58,6 +58,11 @@ SETTINGS: dict[str, dict] = {
     **{f"{s} 0.5 >{n}@{layer}": {"blend_strategy": s, "blend_recompute_ratio": 0.5,
                                  "blend_refine_layer": layer, "blend_refine_ratio": n}
        for s in ("attention", "cacheblend") for n in (0.15, 0.3) for layer in (4, 8)},
+    # Picks in groups of consecutive tokens (runs the CPU attention kernel serves cheaply).
+    **{f"attention 0.5 >{n}@8 g{g}": {"blend_strategy": "attention", "blend_recompute_ratio": 0.5,
+                                      "blend_refine_layer": 8, "blend_refine_ratio": n,
+                                      "blend_group_tokens": g}
+       for n in (0.15, 0.3) for g in (8, 16)},
 }
 
 PLACES = ["boiler room", "east archive", "north tower", "map room", "old library", "lab 7",

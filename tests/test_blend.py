@@ -93,8 +93,9 @@ def test_blend_salts_differ_by_every_setting_that_changes_the_kv():
               BlendConfig(enabled=True, strategy="cacheblend"),
               BlendConfig(enabled=True, check_layer=2), BlendConfig(enabled=True, epic_tokens=8),
               BlendConfig(enabled=True, sink_tokens=16),
-              BlendConfig(enabled=True, refine_layer=4), BlendConfig(enabled=True, refine_ratio=.1)]
-    assert len({c.salt() for c in [base, *others]}) == 8
+              BlendConfig(enabled=True, refine_layer=4), BlendConfig(enabled=True, refine_ratio=.1),
+              BlendConfig(enabled=True, group_tokens=16)]
+    assert len({c.salt() for c in [base, *others]}) == 9
     assert BlendConfig(enabled=True, min_tokens=1).salt() == base.salt()
     assert BlendConfig(enabled=True, max_cost=1.0).salt() == base.salt()
 

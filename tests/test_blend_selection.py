@@ -80,9 +80,9 @@ class ToyModel:
 class NoMove:
     """Documents sit where they were stored in these tests: nothing to re-rotate."""
 
-    def move(self, key, from_pos, to_pos):
-        assert from_pos == to_pos
-        return key
+    def mover(self, from_pos, to_pos, device):
+        assert torch.equal(from_pos, to_pos)
+        return lambda key: key
 
 
 PROMPT = 100  # tokens: blocks 0..5 hold [0, 96); the range ends at 96, 4 tail tokens
@@ -91,7 +91,7 @@ DOC = (20, 90)  # the loaded document: [20, 90)
 
 
 def _blend(strategy: str, ratio: float, start: int, sink_tokens: int = 0,
-           refine: tuple[int, float] = (0, 0.15)):
+           refine: tuple[int, float] = (0, 0.15), group_tokens: int = 1):
     gen = torch.Generator().manual_seed(1)
     model = ToyModel()
     tokens = torch.randint(0, VOCAB, (PROMPT,), generator=gen).tolist()
@@ -112,7 +112,7 @@ def _blend(strategy: str, ratio: float, start: int, sink_tokens: int = 0,
                       model.device, model.dtype)
     job = BlendJob("r", start, end, tokens[start:end], BLOCKS, [], strategy, ratio, 1, 8,
                    tail_ids=tokens[end:], sink_tokens=sink_tokens,
-                   refine_layer=refine[0], refine_ratio=refine[1])
+                   refine_layer=refine[0], refine_ratio=refine[1], group_tokens=group_tokens)
     result = run_blend(model, pages, job, sources, BLOCK)
     return model, tokens, ref, ref_q, caches, pages, stored, job, result
 
@@ -173,6 +173,45 @@ def test_a_refine_layer_narrows_the_pick_after_it(strategy):
     must = job.end - job.start - loaded
     assert wide_result.recomputed == must + math.ceil(0.5 * loaded)
     assert result.recomputed == must + math.ceil(0.2 * loaded)
+
+
+def test_pick_top_takes_whole_groups_best_summed_first():
+    from kvconnector.blend.recompute import pick_top
+
+    active = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14])  # 8 is not active
+    score = torch.tensor([0, 0, 0, 0, 5, 0, 0, 0, 1, 1.1, 0.9, 1.2, 0, 0])
+    assert pick_top(score, active, 3, 1).tolist() == [4, 9, 11]  # plain top-k, ascending
+    # Indices into ``active``. Groups of 4 tokens: 0-3 sum 0, 4-7 sum 5, 9-11 (indices
+    # 8-10; token 8 is not active) sum 3, 12-14 (indices 11-13) sum 1.2.
+    assert pick_top(score, active, 3, 4).tolist() == [4, 5, 6, 7]
+    assert pick_top(score, active, 5, 4).tolist() == [4, 5, 6, 7, 8, 9, 10]
+    forced = score.clone()
+    forced[0] = torch.inf  # a token that must be recomputed brings its group
+    assert pick_top(forced, active, 5, 4).tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert pick_top(score, active, 14, 4).tolist() == list(range(14))
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(20):  # never fewer than asked, under a group more, whole aligned groups
+        act = torch.sort(torch.randperm(400, generator=rng)[:250]).values
+        sc = torch.rand(250, generator=rng)
+        n = int(torch.randint(1, 250, (1,), generator=rng))
+        got = act[pick_top(sc, act, n, 16)]
+        assert n <= len(got) < n + 16
+        groups = set((got // 16).tolist())
+        assert sorted(got.tolist()) == [int(t) for t in act if int(t) // 16 in groups]
+
+
+def test_grouped_picks_get_full_prefills_kv_on_whole_groups():
+    _, _, ref, _, _, pages, _, job, result = _blend("attention", 0.3, 0, group_tokens=8)
+    exact = _exact(pages, ref, 2, job)
+    loaded = DOC[1] - DOC[0]
+    must = job.end - job.start - loaded
+    n = must + math.ceil(0.3 * loaded)
+    assert n <= result.recomputed < n + 8
+    assert int(exact.sum()) == result.recomputed
+    by_group = exact.view(-1, 8)  # the range starts at 0: groups are rows of 8 tokens
+    assert bool(((by_group.all(1)) | (~by_group.any(1))).all())  # all or none of a group
+    _, _, ref, _, _, single, _, job1, _ = _blend("attention", 0.3, 0)
+    assert not torch.equal(_exact(single, ref, 2, job1), exact)  # the check above can fail
 
 
 def test_cacheblend_and_attention_pick_differently_and_ratio_1_is_full_prefill():

@@ -60,6 +60,12 @@ class BlendConfig:
     refine_ratio: float = setting(
         0.3, "ratio", "Share of the loaded tokens recomputed after the refine layer (below "
         "``recompute_ratio``).", request=True)
+    group_tokens: int = setting(
+        1, "int", "Tokens picked together: at a check layer the share is taken in aligned "
+        "groups of this many consecutive tokens, ranked by their summed score. vLLM's CPU "
+        "attention kernel streams every key once per run of consecutive queries, so "
+        "scattered picks cost about as much attention as recomputing everything.",
+        request=True)
     max_cost: float = setting(
         0.85, "ratio", "A request whose blend would cost more than this share of full "
         "prefill's compute (blend/cost.py) is served as usual; 1 blends whatever it costs. "
@@ -97,7 +103,7 @@ class BlendConfig:
         with others (compat.mark_approximate)."""
         return (f"kvconnector-blend:{self.strategy}:{self.recompute_ratio!r}:"
                 f"{self.check_layer}:{self.epic_tokens}:{self.sink_tokens}:{self.refine_layer}:"
-                f"{self.refine_ratio!r}").encode()
+                f"{self.refine_ratio!r}:{self.group_tokens}").encode()
 
 
 #: Every config key this module owns, and the subset a request may override.

@@ -47,6 +47,7 @@ class BlendJob:
     sink_tokens: int = 0  # each loaded document's first tokens, recomputed on top of the ratio
     refine_layer: int = 0  # a second, narrower pick there (gradual filtering); 0: none
     refine_ratio: float = 0.15
+    group_tokens: int = 1  # tokens picked together at a check layer
 
     @property
     def slots(self) -> list[int]:

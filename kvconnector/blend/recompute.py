@@ -67,15 +67,21 @@ class Sources:
                  doc_starts: list[int], rotator: ReRotator, kv_shape: tuple[int, int],
                  device: torch.device, dtype: torch.dtype) -> None:
         self.n, self.start = num_tokens, start
-        self.rotator, self.kv_shape = rotator, kv_shape
+        self.kv_shape = kv_shape
         self.device, self.dtype = device, dtype
         self.pieces: list[tuple[LoadedPiece, int, int]] = []  # piece, first, last row used
         self.has_kv = torch.zeros(num_tokens, dtype=torch.bool)
+        to_pos = torch.arange(start, start + num_tokens)
+        from_pos = to_pos.clone()  # rows no piece covers stay where they are
         for p in pieces:
             lo, hi = max(0, -p.offset), min(p.data.shape[2], num_tokens - p.offset)
             if hi > lo:
                 self.pieces.append((p, lo, hi))
                 self.has_kv[p.offset + lo:p.offset + hi] = True
+                from_pos[p.offset + lo:p.offset + hi] = torch.arange(p.stored_pos + lo,
+                                                                     p.stored_pos + hi)
+        # One rotation of the whole range per layer, its cos/sin computed once per blend.
+        self.move = rotator.mover(from_pos, to_pos, device)
         self.doc_starts = doc_starts  # range-relative starts of the loaded documents
         self.has_kv = self.has_kv.to(device)
 
@@ -95,10 +101,9 @@ class Sources:
         """``[2, tokens, H, D]``: loaded K (re-rotated) and V, zeros where nothing is loaded."""
         kv = torch.zeros((2, self.n, *self.kv_shape), dtype=self.dtype, device=self.device)
         for p, lo, hi in self.pieces:
-            src = p.data[layer, :, lo:hi].to(self.device, non_blocking=True)
-            a, b = p.offset + lo, p.offset + hi
-            kv[0, a:b] = self.rotator.move(src[0], p.stored_pos + lo, self.start + a)
-            kv[1, a:b] = src[1]
+            kv[:, p.offset + lo:p.offset + hi].copy_(p.data[layer, :, lo:hi],
+                                                     non_blocking=True)
+        kv[0] = self.move(kv[0])
         return kv
 
 
@@ -131,6 +136,23 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
                 attn_mask=mask, scale=scale, enable_gqa=hq != k.shape[1])
             out[s:e] = o[0].transpose(0, 1)
     return out.reshape(a, hq * d)
+
+
+def pick_top(score: torch.Tensor, active: torch.Tensor, n: int, group: int) -> torch.Tensor:
+    """Indices (ascending) into ``active`` (ascending token indices) of the ``n`` best
+    scored, or, with ``group`` > 1, of the best aligned groups of ``group`` tokens by their
+    summed score, as many groups as it takes to reach ``n`` tokens."""
+    if group <= 1 or n >= len(active):
+        return torch.topk(score, n).indices.sort().values
+    ids, members = torch.unique_consecutive(active // group, return_inverse=True)
+    totals = torch.zeros(len(ids), dtype=torch.float64, device=score.device)
+    totals.index_add_(0, members, score.to(torch.float64))  # a forced token's inf wins
+    order = torch.argsort(totals, descending=True, stable=True)
+    sizes = torch.bincount(members, minlength=len(ids))[order]
+    taken = int(torch.searchsorted(torch.cumsum(sizes, 0), n)) + 1
+    chosen = torch.zeros(len(ids), dtype=torch.bool, device=score.device)
+    chosen[order[:taken]] = True
+    return chosen[members].nonzero().squeeze(1)
 
 
 @dataclass
@@ -222,7 +244,7 @@ def run_blend(model: BlendModel, pages: TokenPages, job: BlendJob, sources: Sour
             keep = forced[active]
             score[keep] = math.inf
             n_pick = min(len(active), int(keep.sum()) + math.ceil(checks[li] * n_loaded))
-            pick = torch.topk(score, n_pick).indices.sort().values
+            pick = pick_top(score, active, n_pick, job.group_tokens)
             q, residual, active = q[pick], residual[pick], active[pick]
             if li == last_check:
                 tail = None

@@ -17,6 +17,8 @@ table instead adds the table's own bf16 rounding on top (about 1.5 times the mea
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -76,29 +78,54 @@ class ReRotator:
         used = used.to("cpu", torch.float64)
         self.cos, self.sin = used[:, :half], used[:, half:]
 
-    def delta(self, from_pos: int, to_pos: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def delta(self, from_pos: torch.Tensor, to_pos: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[n, rotary_dim / 2]`` of the rotations that move keys from
-        ``from_pos + i`` to ``to_pos + i``: ``z_q * conj(z_p) / |z_p|^2`` per token, not
-        one angle for all, because the table's rows are rounded per position and undoing
+        positions ``from_pos[i]`` to ``to_pos[i]``: ``z_q * conj(z_p) / |z_p|^2`` per token,
+        not one angle for all, because the table's rows are rounded per position and undoing
         exactly the row vLLM used is what makes the moved key vLLM's at the new position."""
         for p in (from_pos, to_pos):
-            if not (0 <= p and p + n <= self.max_position):
-                raise ValueError(f"positions {p}..{p + n - 1} are outside the rotary table "
-                                 f"(0..{self.max_position - 1})")
-        cp, sp = self.cos[from_pos:from_pos + n], self.sin[from_pos:from_pos + n]
-        cq, sq = self.cos[to_pos:to_pos + n], self.sin[to_pos:to_pos + n]
+            if p.numel() and not (0 <= int(p.min()) and int(p.max()) < self.max_position):
+                raise ValueError(f"positions {int(p.min())}..{int(p.max())} are outside the "
+                                 f"rotary table (0..{self.max_position - 1})")
+        cp, sp = self.cos[from_pos], self.sin[from_pos]
+        cq, sq = self.cos[to_pos], self.sin[to_pos]
         m2 = cp * cp + sp * sp
         return (cq * cp + sq * sp) / m2, (sq * cp - cq * sp) / m2
+
+    def mover(self, from_pos: torch.Tensor, to_pos: torch.Tensor, device: torch.device
+              ) -> KeyMover:
+        """Moves keys ``[n, heads, head_size]`` computed at ``from_pos[i]`` to ``to_pos[i]``
+        (CPU position tensors); the rotations are computed once, for every layer's keys."""
+        if torch.equal(from_pos, to_pos):
+            return _unmoved
+        cos, sin = self.delta(from_pos, to_pos)
+        return _Rotation(cos.to(device, torch.float32)[:, None, :],
+                         sin.to(device, torch.float32)[:, None, :], self.rotary_dim, self.neox)
 
     def move(self, key: torch.Tensor, from_pos: int, to_pos: int) -> torch.Tensor:
         """Keys ``[tokens, heads, head_size]`` computed at ``from_pos + i``, moved to
         ``to_pos + i``."""
-        if from_pos == to_pos:
-            return key
-        cos, sin = self.delta(from_pos, to_pos, key.shape[0])
-        cos = cos.to(key.device, torch.float32)[:, None, :]
-        sin = sin.to(key.device, torch.float32)[:, None, :]
-        r = self.rotary_dim
+        n = key.shape[0]
+        return self.mover(torch.arange(from_pos, from_pos + n),
+                          torch.arange(to_pos, to_pos + n), key.device)(key)
+
+
+#: ``move(keys [n, heads, head_size]) -> keys`` at their new positions.
+KeyMover = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _unmoved(key: torch.Tensor) -> torch.Tensor:
+    return key
+
+
+class _Rotation:
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+                 neox: bool) -> None:
+        self.cos, self.sin, self.r, self.neox = cos, sin, rotary_dim, neox
+
+    def __call__(self, key: torch.Tensor) -> torch.Tensor:
+        r, cos, sin = self.r, self.cos, self.sin
         k = key.to(torch.float32)
         rot = k[..., :r]
         if self.neox:

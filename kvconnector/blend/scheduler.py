@@ -177,7 +177,7 @@ class BlendScheduler:
             block_ids[:end // self.block_size], docs, cfg.strategy, cfg.recompute_ratio,
             cfg.check_layer, cfg.epic_tokens,
             list(request.prompt_token_ids[end:request.num_prompt_tokens]), hit.load_async,
-            cfg.sink_tokens, cfg.refine_layer, cfg.refine_ratio))
+            cfg.sink_tokens, cfg.refine_layer, cfg.refine_ratio, cfg.group_tokens))
         if hit.load_async:  # read on the worker's main thread once fetched: held until then
             self.fetches.hold(request.request_id, [p.slot for d in docs for p in d.pieces])
         br.blended = True

@@ -31,8 +31,8 @@ def test_blend_is_off_by_default_with_the_issues_defaults():
     assert cfg == BlendConfig()
     assert (cfg.enabled, cfg.separator, cfg.separator_ids, cfg.recompute_ratio,
             cfg.check_layer, cfg.strategy, cfg.epic_tokens, cfg.min_tokens, cfg.sink_tokens,
-            cfg.refine_layer, cfg.refine_ratio, cfg.max_cost) == (
-        False, " # # ", None, 0.5, 1, "attention", 32, 256, 0, 8, 0.3, 0.85)
+            cfg.refine_layer, cfg.refine_ratio, cfg.group_tokens, cfg.max_cost) == (
+        False, " # # ", None, 0.5, 1, "attention", 32, 256, 0, 8, 0.3, 16, 0.85)
 
 
 def test_blend_keys_are_parsed():
@@ -94,7 +94,7 @@ def test_blend_salts_differ_by_every_setting_that_changes_the_kv():
               BlendConfig(enabled=True, check_layer=2), BlendConfig(enabled=True, epic_tokens=8),
               BlendConfig(enabled=True, sink_tokens=16),
               BlendConfig(enabled=True, refine_layer=4), BlendConfig(enabled=True, refine_ratio=.1),
-              BlendConfig(enabled=True, group_tokens=16)]
+              BlendConfig(enabled=True, group_tokens=1)]
     assert len({c.salt() for c in [base, *others]}) == 9
     assert BlendConfig(enabled=True, min_tokens=1).salt() == base.salt()
     assert BlendConfig(enabled=True, max_cost=1.0).salt() == base.salt()

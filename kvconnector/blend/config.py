@@ -61,7 +61,7 @@ class BlendConfig:
         0.3, "ratio", "Share of the loaded tokens recomputed after the refine layer (below "
         "``recompute_ratio``).", request=True)
     group_tokens: int = setting(
-        1, "int", "Tokens picked together: at a check layer the share is taken in aligned "
+        16, "int", "Tokens picked together: at a check layer the share is taken in aligned "
         "groups of this many consecutive tokens, ranked by their summed score. vLLM's CPU "
         "attention kernel streams every key once per run of consecutive queries, so "
         "scattered picks cost about as much attention as recomputing everything.",

@@ -57,6 +57,7 @@ def test_blend_keys_are_parsed():
     ({"blend_sink_tokens": -4}, "blend_sink_tokens"),
     ({"blend_max_cost": 1.2}, "blend_max_cost"), ({"blend_max_cost": "1"}, "blend_max_cost"),
     ({"blend_refine_ratio": -1}, "blend_refine_ratio"),
+    ({"blend_group_tokens": 0}, "blend_group_tokens"),
     ({"blend_refine_layer": 1.5}, "blend_refine_layer"),
     ({"blend_ratio": 0.2}, "blend_ratio"),
 ])

@@ -189,6 +189,7 @@ def test_pick_top_takes_whole_groups_best_summed_first():
     forced[0] = torch.inf  # a token that must be recomputed brings its group
     assert pick_top(forced, active, 5, 4).tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
     assert pick_top(score, active, 14, 4).tolist() == list(range(14))
+    assert pick_top(score, active, 0, 4).tolist() == []  # no share, no group
     rng = torch.Generator().manual_seed(0)
     for _ in range(20):  # never fewer than asked, under a group more, whole aligned groups
         act = torch.sort(torch.randperm(400, generator=rng)[:250]).values

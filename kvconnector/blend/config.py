@@ -64,8 +64,8 @@ class BlendConfig:
         16, "int", "Tokens picked together: at a check layer the share is taken in aligned "
         "groups of this many consecutive tokens, ranked by their summed score. vLLM's CPU "
         "attention kernel streams every key once per run of consecutive queries, so "
-        "scattered picks cost about as much attention as recomputing everything.",
-        request=True)
+        "scattered picks cost about as much attention as recomputing everything; 1: token "
+        "by token.", request=True, lo=1)
     max_cost: float = setting(
         0.85, "ratio", "A request whose blend would cost more than this share of full "
         "prefill's compute (blend/cost.py) is served as usual; 1 blends whatever it costs. "

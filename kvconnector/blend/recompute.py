@@ -142,8 +142,8 @@ def pick_top(score: torch.Tensor, active: torch.Tensor, n: int, group: int) -> t
     """Indices (ascending) into ``active`` (ascending token indices) of the ``n`` best
     scored, or, with ``group`` > 1, of the best aligned groups of ``group`` tokens by their
     summed score, as many groups as it takes to reach ``n`` tokens."""
-    if group <= 1 or n >= len(active):
-        return torch.topk(score, n).indices.sort().values
+    if group == 1 or n <= 0 or n >= len(active):
+        return torch.topk(score, max(0, n)).indices.sort().values
     ids, members = torch.unique_consecutive(active // group, return_inverse=True)
     totals = torch.zeros(len(ids), dtype=torch.float64, device=score.device)
     totals.index_add_(0, members, score.to(torch.float64))  # a forced token's inf wins

@@ -23,50 +23,12 @@ from kvconnector.lookups import Lookups
 from kvconnector.metadata import WorkerReport
 from kvconnector.scheduler import SchedulerHalf
 from tests.conftest import prompt
+from tests.scheduler_fakes import FakeRedis, FakeRequest, blocks_of, step_output
 
 BS, CHUNK = 16, 64  # 4 blocks per chunk
 FP = Fingerprint(model="m", revision="", model_config_digest="d", dtype="float32",
                  kv_layout="chunk", block_size=BS, num_layers=1, num_kv_heads=2, head_size=8,
                  tp_size=1, chunk_size=CHUNK, namespace="")
-
-
-class FakeRequest:
-    def __init__(self, rid: str, tokens: list[int]) -> None:
-        self.request_id = rid
-        self.all_token_ids = list(tokens)
-        self.num_prompt_tokens = len(tokens)
-        self.num_computed_tokens = 0
-        self.status = RequestStatus.WAITING
-        self.cache_salt = None
-        self.lora_request = None
-        self.mm_features: list = []
-        self.prompt_embeds = None
-        self.pooling_params = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self.num_tokens - self.num_prompt_tokens
-
-
-def step_output(scheduled: dict[str, int], blocks: dict[str, list[int]],
-                new: dict[str, list[int]] | None = None) -> SimpleNamespace:
-    """The fields of vLLM's SchedulerOutput the connector reads."""
-    new = new or {}
-    return SimpleNamespace(
-        num_scheduled_tokens=scheduled,
-        total_num_scheduled_tokens=sum(scheduled.values()),
-        kv_connector_block_state=SimpleNamespace(get_block_ids=lambda r: (blocks[r],)),
-        scheduled_new_reqs=[SimpleNamespace(block_ids=(ids,)) for ids in new.values()],
-        scheduled_cached_reqs=SimpleNamespace(new_block_ids=[], resumed_req_ids=set()),
-        new_block_ids_to_zero=None, kv_cache_block_copies=None)
-
-
-def blocks_of(ids: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(get_block_ids=lambda: (ids,))
 
 
 @pytest.fixture
@@ -173,21 +135,6 @@ def test_outstanding_is_empty_after_the_finish_saves_ran(half):
     assert half.outstanding()["planned_finished_saves"] == 1
     half.build_meta(step_output({}, {}))
     assert all(v == 0 for v in half.outstanding().values()), half.outstanding()
-
-
-class FakeRedis:
-    def __init__(self, keys: set[str]) -> None:
-        self.keys = keys
-        self.asked: list[list[str]] = []
-        self.gate = threading.Event()
-
-    def exists_many(self, keys, budget_s):
-        self.gate.wait(5)
-        self.asked.append([str(k) for k in keys])
-        return [str(k) in self.keys for k in keys]
-
-    def close(self) -> None:
-        pass
 
 
 def test_partial_chunk_found_in_redis(half):

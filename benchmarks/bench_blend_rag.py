@@ -62,7 +62,7 @@ SETTINGS: dict[str, dict] = {
     **{f"attention 0.5 >{n}@8 g{g}": {"blend_strategy": "attention", "blend_recompute_ratio": 0.5,
                                       "blend_refine_layer": 8, "blend_refine_ratio": n,
                                       "blend_group_tokens": g}
-       for n in (0.15, 0.3) for g in (8, 16)},
+       for n in (0.15, 0.3) for g in (1, 8, 16)},
 }
 
 PLACES = ["boiler room", "east archive", "north tower", "map room", "old library", "lab 7",

@@ -281,6 +281,31 @@ def test_round_trip_tensors_into_out_buffers(store):
         store.get_many([exps[0].key], [exps[0]], out=[bytearray(10)])
 
 
+@pytest.mark.parametrize("nbytes, sends", [(64 * 1024, 1), (1536 * 1024, 5)])  # GET writes
+def test_large_values_are_asked_for_a_few_at_a_time(store, redis_server, monkeypatch,
+                                                      nbytes, sends):
+    """redis-server builds a whole pipeline's replies before it writes the first: GETs of
+    large values go out as replies come in (at most 2 MiB unanswered), small ones in one
+    pipeline. A miss and a corrupt value among them keep the connection in sync."""
+    from kvconnector.store import redis_wire
+
+    chunks = [make_chunk(i, nbytes, seed=i) for i in range(5)]
+    store.put_many([item(*chunks[i]) for i in (0, 2, 4)])
+    bad_exp, bad_payload = chunks[3]
+    redis_server.client().set(store.redis_key(bad_exp.key),
+                              _variant("corrupt_byte", bad_exp, bad_payload))
+    send = redis_wire.Wire.send
+    calls = []
+    monkeypatch.setattr(redis_wire.Wire, "send",
+                        lambda self, bufs: (calls.append(len(bufs)), send(self, bufs))[1])
+    got = store.get_many([e.key for e, _ in chunks], [e for e, _ in chunks])
+    assert [None if g is None else bytes(g) for g in got] == [
+        chunks[0][1], None, chunks[2][1], None, chunks[4][1]]
+    assert len(calls) == sends + 1  # and the DEL of the corrupt value
+    s = store.snapshot()
+    assert s["hits"] == 3 and s["corrupt"] == 1 and s["errors"] == 0
+
+
 def test_missing_keys_are_misses(store):
     exp, payload = make_chunk(1, 1024)
     store.put_many([item(exp, payload)])
@@ -758,11 +783,12 @@ def test_hung_server_get_times_out(redis_server):
 
 # ---- cluster --------------------------------------------------------------------------
 
-def test_cluster_round_trip():
+@pytest.mark.parametrize("nbytes", [32 * 1024, 1536 * 1024])  # one pipeline; a few at a time
+def test_cluster_round_trip(nbytes):
     with RedisClusterServers(3) as cl:
         store = RedisStore.from_url(cl.cluster_url, key_prefix="kvc")
         try:
-            chunks = [make_chunk(i, 32 * 1024 + i) for i in range(30)]
+            chunks = [make_chunk(i, nbytes + i) for i in range(30)]
             assert store.put_many([item(e, p) for e, p in chunks]) == 30
             per_node = [n.client().dbsize() for n in cl.nodes]
             assert sum(per_node) == 30 and sum(1 for n in per_node if n) >= 2, per_node

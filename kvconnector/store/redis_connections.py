@@ -169,9 +169,12 @@ class RedisConnections:
         return list(groups.values())
 
     def call(self, op: str, rkeys: list[bytes], cmds: list[Any],
-             read: Callable[[Wire, int], None], deadline: float | None) -> list[bool]:
+             read: Callable[[Wire, int], None], deadline: float | None,
+             window: int | None = None) -> list[bool]:
         """Run one pipeline: send ``cmds[i]`` (packed bytes, or (head, payload, tail) to be
         written without copying the payload) for every key, then ``read`` every reply.
+        With ``window``, at most that many commands per server are unanswered at a time
+        (large replies: ``RedisStore.get_many``).
         Returns, per key, whether its server answered: False for a key whose server is in
         backoff or failed (its ``read`` results are to be ignored). Faults are counted,
         never raised; each server (each node of a cluster) backs off on its own."""
@@ -223,9 +226,10 @@ class RedisConnections:
             for g in groups:
                 if g.held is not None:
                     g.held.wire.deadline = deadline
-                g.attempt(lambda g=g: g.held.wire.send(gather(cmds, g.idx)))
+                first = g.idx if window is None else g.idx[:window]
+                g.attempt(lambda g=g, first=first: g.held.wire.send(gather(cmds, first)))
             for g in groups:
-                g.attempt(lambda g=g: [read(g.held.wire, i) for i in g.idx])
+                g.attempt(lambda g=g: _read_all(g.held.wire, g.idx, cmds, read, window))
             if deadline is not None and time.monotonic() > deadline:
                 # every reply read (the connection is in sync), but too late to be used
                 for g in groups:
@@ -334,6 +338,16 @@ class RedisConnections:
         log = logger.warning if state == "ok" else logger.debug
         log("kvconnector redis %s: %s failed (%s: %s); misses for %.2fs", where, op,
             type(e).__name__, e, delay)
+
+
+def _read_all(wire: Wire, idx: Sequence[int], cmds: list[Any],
+              read: Callable[[Wire, int], None], window: int | None) -> None:
+    """Read the replies to ``idx``, the first ``window`` of which were sent (all without
+    a window), sending the next command as each reply is read."""
+    for j, i in enumerate(idx):
+        read(wire, i)
+        if window is not None and j + window < len(idx):
+            wire.send(gather(cmds, [idx[j + window]]))
 
 
 class _Group:

@@ -32,7 +32,14 @@ from kvconnector.store import codec, descriptor
 from kvconnector.store.codec import CorruptValue, ExpectedChunk
 from kvconnector.store.redis_connections import RedisConnections
 from kvconnector.store.redis_url import checked_url, redact_url
-from kvconnector.store.redis_wire import ReplyError, Wire, bulk, byte_view
+from kvconnector.store.redis_wire import (
+    ReplyError,
+    Wire,
+    bulk,
+    byte_view,
+    reply_window,
+    ttl_suffix,
+)
 
 logger = logging.getLogger("kvconnector.store.redis")
 
@@ -100,7 +107,7 @@ class RedisStore:
         self.stats = RedisStoreStats()
         self._lock = threading.Lock()
         self._warned: dict[str, float] = {}
-        self._ttl_args = self._ttl_suffix(ttl_s)
+        self._ttl_args = ttl_suffix(ttl_s)
         ref = weakref.ref(self)  # the connections do not keep the store (and sockets) alive
         self._connections = RedisConnections(
             url, self.safe_url, cluster=cluster, timeout_s=timeout_s,
@@ -299,7 +306,8 @@ class RedisStore:
                 results[i] = value
 
         cmds = [b"*2\r\n$3\r\nGET\r\n" + bulk(k) for k in rkeys]
-        answered = self._connections.call("get", rkeys, cmds, read, None)
+        window = reply_window(max(e.nbytes for e in expected))
+        answered = self._connections.call("get", rkeys, cmds, read, None, window)
         results = [r if a else None for r, a in zip(results, answered, strict=True)]
         corrupt = [(i, c) for i, c in corrupt if answered[i]]
         self._note_reply_errors(reply_errors)
@@ -314,14 +322,6 @@ class RedisStore:
         self._connections.close()
 
     # ---- internals ---------------------------------------------------------------------
-
-    @staticmethod
-    def _ttl_suffix(ttl_s: float | None) -> tuple[bytes, int]:
-        if ttl_s is None:
-            return b"", 3
-        if float(ttl_s).is_integer():
-            return b"$2\r\nEX\r\n" + bulk(b"%d" % int(ttl_s)), 5
-        return b"$2\r\nPX\r\n" + bulk(b"%d" % max(1, round(ttl_s * 1000))), 5
 
     def _count(self, **deltas: int) -> None:
         with self._lock:

@@ -18,7 +18,6 @@ import torch
 from kvconnector.keys import ChunkKey, Fingerprint
 from kvconnector.store import descriptor
 from kvconnector.store.codec import ExpectedChunk, encode_header
-from kvconnector.store.fetch_first import FetchFirst
 from kvconnector.store.memory import SlotPool
 
 if TYPE_CHECKING:
@@ -191,7 +190,6 @@ class RedisTier:
         self._descriptor_due = 0.0
         self._backoffs_seen = 0
         self._descriptor_every = min(descriptor.REFRESH_S, (redis.ttl_s or float("inf")) / 2)
-        self._order = FetchFirst()
         self._puts = PutQueue("redis", self._put)
 
     def expected(self, key: ChunkKey, blocks: int = 0) -> ExpectedChunk:
@@ -199,13 +197,12 @@ class RedisTier:
 
     def fetch(self, wanted: Sequence[tuple[int, ChunkKey, int]]) -> list[bool]:
         """Fill and seal each ``(slot, key, blocks)`` from Redis in one pipeline."""
-        with self._order.fetch():
-            for slot, _, _ in wanted:
-                self.pool.begin_write(slot)
-            into = [self.bytes.to_receive(slot, blocks) for slot, _, blocks in wanted]
-            got = self.redis.get_many([k for _, k, _ in wanted],
-                                      [self.expected(k, b) for _, k, b in wanted],
-                                      out=[view for view, _ in into])
+        for slot, _, _ in wanted:
+            self.pool.begin_write(slot)
+        into = [self.bytes.to_receive(slot, blocks) for slot, _, blocks in wanted]
+        got = self.redis.get_many([k for _, k, _ in wanted],
+                                  [self.expected(k, b) for _, k, b in wanted],
+                                  out=[view for view, _ in into])
         for (slot, key, blocks), payload, (_, packed) in zip(wanted, got, into, strict=True):
             if payload is not None:  # checked by the codec (checksum or MAC) before this
                 self.bytes.received(slot, blocks, packed)
@@ -220,16 +217,15 @@ class RedisTier:
         return self._puts.dropped
 
     def _put(self, slot: int, key: ChunkKey, blocks: int) -> None:
-        with self._order.put():  # before the lease: a fetch may be about to write the slot
-            header = self.pool.lease(slot, key)
-            if header is None:
-                return  # the slot was reused before its turn came: nothing to copy
-            try:
-                if header.checksum is not None:  # else it came from Redis: Redis holds it
-                    payload, xxh3 = self.bytes.to_send(slot, blocks, header.checksum)
-                    self._send(key, blocks, payload, xxh3)
-            finally:
-                self.pool.end_lease(slot)
+        header = self.pool.lease(slot, key)
+        if header is None:
+            return  # the slot was reused before its turn came: nothing to copy
+        try:
+            if header.checksum is not None:  # else it came from Redis: Redis holds it
+                payload, xxh3 = self.bytes.to_send(slot, blocks, header.checksum)
+                self._send(key, blocks, payload, xxh3)
+        finally:
+            self.pool.end_lease(slot)
 
     def _send(self, key: ChunkKey, blocks: int, payload: memoryview,
               xxh3: int | None) -> None:

@@ -18,6 +18,7 @@ import time
 from common import (
     add_model_args,
     connector,
+    connector_seconds,
     engine,
     in_fresh_process,
     random_prompt,
@@ -25,21 +26,6 @@ from common import (
     timed_generate,
     write_results,
 )
-
-
-def connector_seconds() -> dict[str, float]:
-    """The connector's own timers so far, from this process's Prometheus registry (where
-    vLLM records an offline engine's stats; ``LLM.get_metrics`` rounds counters down to
-    whole numbers): seconds per hook on vLLM's threads, and the copy thread's busy time."""
-    from prometheus_client import REGISTRY
-
-    out: dict[str, float] = {}
-    for family in REGISTRY.collect():
-        for sample in family.samples:
-            if sample.name == "vllm:kvconnector_phase_seconds_total":
-                phase = sample.labels["phase"]
-                out[phase] = out.get(phase, 0.0) + sample.value
-    return out
 
 
 def run_engine(model: str, args, kvt: dict | None, seed: int, vocab: int,

@@ -132,6 +132,21 @@ def timed_generate(llm, prompts: list[list[int]], max_tokens: int):
     return time.perf_counter() - start, outs
 
 
+def connector_seconds() -> dict[str, float]:
+    """The connector's own timers so far, from this process's Prometheus registry (where
+    vLLM records an offline engine's stats; ``LLM.get_metrics`` rounds counters down to
+    whole numbers): seconds per hook on vLLM's threads, and the copy thread's busy time."""
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name == "vllm:kvconnector_phase_seconds_total":
+                phase = sample.labels["phase"]
+                out[phase] = out.get(phase, 0.0) + sample.value
+    return out
+
+
 def machine() -> dict:
     import torch
 

@@ -69,7 +69,7 @@ class DiskTier:
         self._pause_s = FIRST_PAUSE_S
         self.scan_result = None
         self._fingerprint = fingerprint
-        self._puts = PutQueue("disk", self._put_each, threads=write_threads, first=self._scan)
+        self._puts = PutQueue("disk", self._put, threads=write_threads, first=self._scan)
 
     def expected(self, key: ChunkKey, blocks: int = 0) -> ExpectedChunk:
         return self.bytes.expected(key, blocks)
@@ -155,10 +155,6 @@ class DiskTier:
     @property
     def dropped_puts(self) -> int:
         return self._puts.dropped
-
-    def _put_each(self, items: list[tuple[int, ChunkKey, int]]) -> None:
-        for item in items:  # one at a time (PutQueue's batch of 1): a file each
-            self._put(*item)
 
     def _put(self, slot: int, key: ChunkKey, blocks: int) -> None:
         if time.monotonic() < self._paused_until:

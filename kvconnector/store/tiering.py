@@ -11,7 +11,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -26,8 +26,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvconnector.store.tiering")
 
 MAX_QUEUED_PUTS = 256
-PUT_BATCH = 16  # chunks sent to Redis in one pipeline, at most
-PUT_BATCH_BYTES = 4 << 20  # ... and about this many bytes
 
 
 class SlotBytes:
@@ -92,23 +90,18 @@ class LowerTier(Protocol):
     def close(self, timeout_s: float) -> None: ...
 
 
-PutItem = tuple[int, ChunkKey, int]  # (slot, key, blocks of a partial chunk or 0)
-
-
 class PutQueue:
     """Sealed slots waiting for their copy to a tier, taken by ``threads`` background
-    threads, up to ``batch`` queued copies at a time. A full queue drops the copy (a later
-    miss), as does a stopping engine. ``first`` runs on one thread before any copy (the
-    disk tier's scan)."""
+    threads. A full queue drops the copy (a later miss), as does a stopping engine.
+    ``first`` runs on one thread before any copy (the disk tier's scan)."""
 
-    def __init__(self, name: str, put: Callable[[list[PutItem]], None], threads: int = 1,
+    def __init__(self, name: str, put: Callable[[int, ChunkKey, int], None], threads: int = 1,
                  first: Callable[[], None] | None = None,
-                 max_queued: int = MAX_QUEUED_PUTS, batch: int = 1) -> None:
+                 max_queued: int = MAX_QUEUED_PUTS) -> None:
         self.name = name
         self.dropped = 0
         self.busy_seconds = 0.0  # time spent making copies, all threads (phase timers)
         self._put = put
-        self._batch = batch
         self._queue: queue.Queue[tuple[int, ChunkKey, int] | None] = queue.Queue(max_queued)
         self._ready = threading.Event()
         self._threads = [threading.Thread(target=self._loop, args=(first if i == 0 else None,),
@@ -134,29 +127,16 @@ class PutQueue:
             finally:
                 self._ready.set()
         self._ready.wait()
-        stop = False
-        while not stop:
-            items: list[PutItem] = []
-            item = self._queue.get()
-            while item is not None:
-                items.append(item)
-                if len(items) == self._batch:
-                    break
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-            stop = item is None
+        while (item := self._queue.get()) is not None:
             start = time.perf_counter()
             try:
-                if items:
-                    self._put(items)
+                self._put(*item)
             except Exception:  # the thread must outlive any single bad put
                 logger.exception("kvconnector: %s put failed", self.name)
             finally:
                 self.busy_seconds += time.perf_counter() - start  # racy across threads: a metric
-                for _ in range(len(items) + stop):
-                    self._queue.task_done()
+                self._queue.task_done()
+        self._queue.task_done()
 
     @property
     def queued(self) -> int:
@@ -210,9 +190,7 @@ class RedisTier:
         self._descriptor_due = 0.0
         self._backoffs_seen = 0
         self._descriptor_every = min(descriptor.REFRESH_S, (redis.ttl_s or float("inf")) / 2)
-        # Small chunks go a pipeline at a time: a round trip each cost more than the bytes.
-        batch = max(1, min(PUT_BATCH, PUT_BATCH_BYTES // max(1, pool.chunk_bytes)))
-        self._puts = PutQueue("redis", self._put, batch=batch)
+        self._puts = PutQueue("redis", self._put)
 
     def expected(self, key: ChunkKey, blocks: int = 0) -> ExpectedChunk:
         return self.bytes.expected(key, blocks)
@@ -238,37 +216,30 @@ class RedisTier:
     def dropped_puts(self) -> int:
         return self._puts.dropped
 
-    def _put(self, batch: list[PutItem]) -> None:
-        leased: list[int] = []
-        items: list[tuple[Any, bytes, Any]] = []
+    def _put(self, slot: int, key: ChunkKey, blocks: int) -> None:
+        header = self.pool.lease(slot, key)
+        if header is None:
+            return  # the slot was reused before its turn came: nothing to copy
         try:
-            for slot, key, blocks in batch:
-                header = self.pool.lease(slot, key)
-                if header is None:
-                    continue  # the slot was reused before its turn came: nothing to copy
-                leased.append(slot)
-                if header.checksum is not None:  # else it came from Redis: Redis holds it
-                    payload, xxh3 = self.bytes.to_send(slot, blocks, header.checksum)
-                    items.append((key, encode_header(self.expected(key, blocks), payload,
-                                                     xxh3=xxh3, mac_key=self.redis.mac_key),
-                                  payload))
-            if items:
-                self._send(items)
+            if header.checksum is not None:  # else it came from Redis: Redis holds it
+                payload, xxh3 = self.bytes.to_send(slot, blocks, header.checksum)
+                self._send(key, blocks, payload, xxh3)
         finally:
-            for slot in leased:
-                self.pool.end_lease(slot)
+            self.pool.end_lease(slot)
 
-    def _send(self, items: list[tuple[Any, bytes, Any]]) -> None:
-        key = items[0][0]
+    def _send(self, key: ChunkKey, blocks: int, payload: memoryview,
+              xxh3: int | None) -> None:
+        prefix = encode_header(self.expected(key, blocks), payload, xxh3=xxh3,
+                               mac_key=self.redis.mac_key)
+        items = [(key, prefix, payload)]
         now = time.monotonic()
         if self.redis.stats.backoffs != self._backoffs_seen:  # Redis may have lost data
             self._backoffs_seen = self.redis.stats.backoffs
             self._descriptor_due = 0.0
-        with_descriptor = self._fingerprint is not None and now >= self._descriptor_due
-        if with_descriptor:
+        if self._fingerprint is not None and now >= self._descriptor_due:
             items.append((descriptor.descriptor_key(key.fingerprint.hex()), b"",
                           descriptor.encode(self._fingerprint, self.expected(key))))
-        if self.redis.put_many(items) == len(items) and with_descriptor:
+        if self.redis.put_many(items) == len(items) and len(items) > 1:
             self._descriptor_due = now + self._descriptor_every
 
     @property

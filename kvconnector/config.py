@@ -80,8 +80,9 @@ class ConnectorConfig:
         "first); checked against the file system's free space at start-up. Default: half "
         "of the free space then, at most 1TiB.", optional=True)
     disk_direct_io: bool = setting(
-        True, "bool", "Read chunk files with O_DIRECT, bypassing the page cache (where the "
-        "file system allows it); false reads through it, which then keeps recent chunks.")
+        True, "bool", "Read and write chunk files with O_DIRECT, bypassing the page cache "
+        "(where the file system allows it); false goes through it, which then keeps recent "
+        "chunks.")
     disk_write_threads: int = setting(
         1, "int", "Threads writing chunk files (more for several NVMe devices).", lo=1)
     chunk_mac_key_env: str | None = setting(

@@ -4,6 +4,7 @@ where the connector's time went (its own phase timers), length by length.
 
     python benchmarks/bench_miss.py                  # tiny Mistral, 1k-16k tokens, all tiers
     python benchmarks/bench_miss.py --model .cache/smollm2 --dtype bfloat16 --lengths 1024,4096,8000
+    python benchmarks/bench_miss.py --no-redis --buffered-disk   # disk writes direct or buffered
 
 Each engine runs in its own fresh process; the configurations take turns (``--rounds``
 times each, in a rotated order every round) to spread this machine's noise over all of
@@ -73,6 +74,8 @@ def main() -> None:
     p.set_defaults(dtype="bfloat16", redis=True)
     p.add_argument("--no-redis", dest="redis", action="store_false")
     p.add_argument("--no-disk", dest="disk", action="store_false")
+    p.add_argument("--buffered-disk", action="store_true",
+                   help="also the disk tier through the page cache (disk_direct_io false)")
     # 16000, not 16384: the tiny model's 16384 positions also hold the generated token.
     p.add_argument("--lengths", default="1024,4096,8192,16000")
     p.add_argument("--prompts", type=int, default=3, help="distinct prompts per length")
@@ -95,6 +98,9 @@ def bench(args, disk_path: str | None) -> None:
         configs["memory + Redis"] = connector({**extra, "redis_url": args.redis_url})
     if disk_path is not None:
         configs["memory + disk"] = connector({**extra, "disk_path": disk_path})
+        if args.buffered_disk:
+            configs["memory + disk, buffered"] = connector(
+                {**extra, "disk_path": disk_path, "disk_direct_io": False})
     names = list(configs)
     order = [names[(i + r) % len(names)] for r in range(args.rounds) for i in range(len(names))]
     ttft: dict[str, dict[int, list[float]]] = {c: {n: [] for n in lengths} for c in names}

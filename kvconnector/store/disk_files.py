@@ -13,11 +13,11 @@ checksum and optional MAC) padded with zeros to ``HEAD_BYTES``, then the payload
 
 The payload starts on a 4 KiB boundary so that it can be read straight into a slot (whose
 memory starts on a page, store/memory.py), and written from one, with O_DIRECT: by
-default, because the memory
-tier is the cache (the page cache would hold a second copy) and a direct read's speed does
-not depend on what else the page cache holds (docs/benchmarks.md section 11: 0.92x a plain
-O_DIRECT read). Where the file system, the buffer or the length does not allow it, the
-read or write is buffered.
+default, because the memory tier is the cache (the page cache would hold a second copy), a
+direct read's speed does not depend on what else the page cache holds (docs/benchmarks.md
+section 11: 0.92x a plain O_DIRECT read), and a direct write leaves no copy and no
+write-back to run beside the forward pass (section 13). Where the file system, the buffer
+or the length does not allow it, the read or write is buffered.
 
 A file is written under a temporary name in its final directory (store/disk_space.py
 reserves it) and renamed into place only when complete: a file under a final name is never
@@ -110,7 +110,7 @@ class DiskFiles:
         """Write a file's bytes into ``fd`` (a temporary file ``DiskSpace.reserve`` made):
         with ``direct_io`` past the page cache, where the file system and the payload's
         alignment allow it. Copying into the page cache and writing it back ran on the
-        forward pass's cores: a 30-layer model's misses took 4-10% longer that way on a
+        forward pass's cores: a 30-layer model's misses took 4-12% longer that way on a
         2-core machine (docs/benchmarks.md section 13)."""
         if self.direct_io:
             buf = self._head_buffer()

@@ -42,6 +42,7 @@ import time
 from common import (
     add_model_args,
     connector,
+    connector_seconds,
     engine,
     in_fresh_process,
     pyplot,
@@ -65,26 +66,43 @@ REFUSING_PEERS = {
 def run_config(model: str, args, kvt: dict | None, prompts: dict[int, list[list[int]]],
                prefix_caching: bool, fill_first: bool) -> dict:
     """TTFT of each prompt's hit (after a first request that fills the cache when
-    ``fill_first``), and the greedy tokens of one more request of it."""
+    ``fill_first``), the greedy tokens of one more request of it, and for kvconnector where
+    a hit's time went (its phase timers, per hit)."""
     max_len = max(prompts) + args.check_tokens + 64
     ttft: dict[int, float] = {}
     cached: dict[int, list[int]] = {}
     tokens: dict[int, list[list[int]]] = {}
+    phases: dict[int, dict[str, float]] = {}
+    ours = bool(kvt) and kvt["kv_connector"] == "kvconnector"
+
+    def timers() -> dict[str, float]:
+        """The timers after a short request whose step carries what earlier ones left
+        (its own hooks: well under a millisecond)."""
+        if not ours:
+            return {}
+        time.sleep(0.3)
+        timed_generate(llm, [random_prompt(random.Random(8), 16, 400)], 1)
+        return connector_seconds()
+
     with engine(model, args, kvt, max_len, enable_prefix_caching=prefix_caching,
-                max_num_batched_tokens=max_len) as llm:
+                max_num_batched_tokens=max_len, disable_log_stats=False) as llm:
         timed_generate(llm, [random_prompt(random.Random(9), 300, 400)], 1)
         for n, group in prompts.items():
             times, cached[n], tokens[n] = [], [], []
+            phases[n] = {}
             for p in group:
                 if fill_first:
                     timed_generate(llm, [p], 1)
+                before = timers()
                 secs, outs = timed_generate(llm, [p], 1)
+                for k, v in timers().items():
+                    phases[n][k] = phases[n].get(k, 0.0) + (v - before.get(k, 0.0)) / len(group)
                 times.append(secs)
                 cached[n].append(outs[0].num_cached_tokens or 0)
                 _, outs = timed_generate(llm, [p], args.check_tokens)
                 tokens[n].append(list(outs[0].outputs[0].token_ids))
             ttft[n] = statistics.median(times)
-    return {"ttft": ttft, "cached": cached, "tokens": tokens}
+    return {"ttft": ttft, "cached": cached, "tokens": tokens, "phases": phases}
 
 
 def fill_redis(model: str, args, kvt: dict, prompts: dict[int, list[list[int]]],
@@ -252,11 +270,22 @@ def report(args, model: str, lengths: list[int], runs: dict, refused: dict) -> N
         print(f"{n:>7} " + " ".join(f"{c:>24}" for c in cells))
     print("'!': greedy tokens differ from recompute; '~': from vLLM's own prefix-cache hit "
           "(which computes the same last block)")
+    print("\nwhere a kvconnector hit's time went, per hit (ms; redis_fetch, disk_fetch and "
+          "load_copy are parts of start_load_kv, or of copy_thread for a parked hit)")
+    for name, r in runs.items():
+        for n in lengths:
+            parts = sorted(r.get("phases", {}).get(n, {}).items(), key=lambda kv: -kv[1])
+            if parts:
+                print(f"  {name}, {n} tokens, TTFT {r['ttft'][n] * 1000:.1f}: " + ", ".join(
+                    f"{k} {v * 1000:.2f}" for k, v in parts if v >= 5e-5))
     for name, why in refused.items():
         print(f"{name}: {why}")
     out = write_results(args.out, "peers", {"model": model, "dtype": args.dtype,
                                             "lengths": lengths, "repeats": args.repeats,
-                                            "results": table, "refused": refused})
+                                            "results": table, "refused": refused,
+                                            "connector_seconds_per_hit": {
+                                                name: r.get("phases", {})
+                                                for name, r in runs.items()}})
     print(f"results: {out}")
     plot(out.with_suffix(".png"), model, lengths, table)
 

@@ -27,6 +27,8 @@ MAX_SAMPLES = 10_000
 PHASE = "phase_seconds."
 # Phases that run beside vLLM's threads, not on them (worker.py's background threads).
 BACKGROUND_PHASES = ("copy_thread", "disk_writes", "redis_writes")
+# Parts of a load, timed inside a hook (start_load_kv) or the copy thread: not added again.
+LOAD_PHASES = ("disk_fetch", "redis_fetch", "load_copy")
 
 
 @dataclass
@@ -80,7 +82,7 @@ class TransferStats(KVConnectorStats):
         for k, v in self.counters().items():
             if not k.startswith(PHASE):
                 d[k] = v
-            elif k[len(PHASE):] not in BACKGROUND_PHASES:
+            elif k[len(PHASE):] not in BACKGROUND_PHASES + LOAD_PHASES:
                 hooks += v
         if hooks:
             d["hook_seconds"] = round(hooks, 4)

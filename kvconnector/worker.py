@@ -205,7 +205,7 @@ class WorkerHalf:
         self.ledger.count(loaded_chunks=len(ready),
                           loaded_tokens=n_blocks * self.spec.block_size,
                           loaded_bytes=self.pool.chunk_bytes * n_blocks // bpc,
-                          load_seconds=elapsed)
+                          load_seconds=elapsed, **{"phase_seconds.load_copy": elapsed})
         self.ledger.observe(load_batch_seconds=elapsed)
 
     def _load_cuda(self, slot: torch.Tensor, block_ids: torch.Tensor,

@@ -72,7 +72,8 @@ class WorkerStore:
             n = sum(got)
             self.ledger.count(**{f"{tier.name}_loaded_chunks": n,
                                  f"{tier.name}_misses": len(asked) - n,
-                                 "load_seconds": elapsed})
+                                 "load_seconds": elapsed,
+                                 f"phase_seconds.{tier.name}_fetch": elapsed})
             self.ledger.observe(**{f"{tier.name}_fetch_seconds": elapsed})
             arrived = {slot for (slot, _, _), ok in zip(asked, got, strict=True) if ok}
             if tier.name == "redis" and disk is not None:

@@ -49,10 +49,12 @@ def test_stats_aggregate_counters_samples_and_gauges():
     assert out.data["gauges"]["memory_slots_used"] == 5  # the newer report wins
     assert a.data["samples"]["load_batch_seconds"] == [0.5]  # inputs unchanged
     out.add(**{"phase_seconds.start_load_kv": 0.25, "phase_seconds.get_finished": 0.125,
-               "phase_seconds.copy_thread": 4.0})
+               "phase_seconds.copy_thread": 4.0, "phase_seconds.redis_fetch": 0.2,
+               "phase_seconds.load_copy": 0.05})
     reduced = out.reduce()
     assert reduced["memory_slots_used"] == 5 and "samples" not in reduced
-    # vLLM's log line: the hooks' time on vLLM's threads as one total, no per-hook keys
+    # vLLM's log line: the hooks' time on vLLM's threads as one total, no per-hook keys;
+    # a load's parts (a fetch, the copy) are inside a hook or the copy thread: not added twice
     assert reduced["hook_seconds"] == 0.375 and not any("phase" in k for k in reduced)
     assert all(isinstance(v, (int, float)) for v in reduced.values())
 

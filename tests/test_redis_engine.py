@@ -48,6 +48,8 @@ def test_second_engine_serves_first_engines_chunks(tiny_model, tmp_path_factory,
     assert second[2] == {"external_unspecified": P1_HIT}  # vLLM's label for a remote store
     assert out["cached"] == P1_HIT  # the partial chunk is in Redis too
     assert totals["redis_loaded_chunks"] == 3 and totals["load_errors"] == 0
+    # the hit's breakdown (issue 24): the fetch, then the copy into vLLM's blocks
+    assert totals["phase_seconds.redis_fetch"] > 0 and totals["phase_seconds.load_copy"] > 0
     assert first[0][0]["tokens"] == baseline[0]
     assert out["tokens"] == baseline[0]
 

@@ -86,6 +86,7 @@ def test_store_fetch_counts_and_waits_for_the_copy_stream():
     stats = ledger.take_stats()
     assert stats is not None
     assert stats.data["redis_loaded_chunks"] == 1 and stats.data["redis_misses"] == 1
+    assert stats.data["phase_seconds.redis_fetch"] > 0  # a hit's breakdown (issue 24)
     store.fetch([])
     assert stream.synced == 1  # nothing wanted: no wait, nothing counted
     assert ledger.take_stats() is None

@@ -211,9 +211,9 @@ def _flush_tiers(worker) -> bool:
     half = get_kv_transfer_group().worker
     half.copies.drain()  # the saves queued so far have sealed their slots
     if half.disk_tier is not None:
-        half.disk_tier.flush()
+        assert half.disk_tier.flush(), "copies to the disk tier still running"
     if half.redis_tier is not None:
-        half.redis_tier.flush()
+        assert half.redis_tier.flush(), "copies to Redis still running"
     return half.redis_tier is not None
 
 

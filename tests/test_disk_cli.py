@@ -37,7 +37,7 @@ def fill(root, fp: Fingerprint, n: int, mac_key: bytes | None = None) -> list[Ch
         pool.begin_write(0).fill_(float(i))
         pool.end_write(0, key)
         tier.offload(0, key)
-        tier.flush()
+        assert tier.flush()
         keys.append(key)
     tier.close(1.0)
     return keys

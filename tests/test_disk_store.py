@@ -45,7 +45,7 @@ def stored(tier: DiskTier, pool: SlotPool, values: dict[int, float]) -> None:
     for i, v in values.items():
         fill(pool, 0, key(i), v)
         tier.offload(0, key(i), 0)
-        tier.flush()
+        assert tier.flush()
 
 
 def files(root: Path) -> list[Path]:
@@ -203,7 +203,7 @@ def test_a_restart_finds_the_files_and_their_order(tmp_path, pool):
     young = chunk_path(root, key(8)).with_name("y.kvc.tmp-1-2")
     young.write_bytes(b"being written")
     again = DiskTier(root, 3 * FILE, pool, "kv")
-    again.flush()  # the scan runs before the first write
+    assert again.flush()  # the scan runs before the first write
     assert again.scan_result.files == 3 and again.scan_result.stale_temps == 1
     assert not stale.exists() and young.exists()
     assert read_usage(root) == 3 * FILE + young.stat().st_size
@@ -250,7 +250,7 @@ def test_a_file_size_limit_is_a_full_disk_not_a_crash(tmp_path):
         from kvconnector.store.memory import SlotPool
         pool = SlotPool(2, SHAPE, torch.float32, checksums=True)
         tier = DiskTier({str(tmp_path / "kv")!r}, 1 << 20, pool, "kv")
-        tier.flush()
+        assert tier.flush()
         resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
         stored(tier, pool, {{1: 1.0}})
         print(tier.snapshot()["full"], tier.snapshot()["puts"])
@@ -274,7 +274,7 @@ def test_a_killed_writer_never_leaves_a_bad_file_under_a_final_name(tmp_path):
         from kvconnector.store.memory import SlotPool
         pool = SlotPool(2, SHAPE, torch.float32, checksums=True)
         tier = DiskTier({str(root)!r}, 1 << 30, pool, "kv")
-        tier.flush()
+        assert tier.flush()
         print("ready", flush=True)
         i = 0
         while True:
@@ -304,7 +304,7 @@ def test_the_catalog_counts_leading_chunks_on_every_rank(tmp_path, pool):
     stored(tier, pool, {1: 1.0, 2: 2.0})
     fill(pool, 0, key(1, rank=1), 1.0)
     tier.offload(0, key(1, rank=1), 0)
-    tier.flush()
+    assert tier.flush()
     cat = DiskCatalog(root)
     assert cat.count_prefix([[key(1)], [key(2)], [key(3)]]) == 2
     assert cat.count_prefix([[key(1), key(1, 1)], [key(2), key(2, 1)]]) == 1
@@ -379,7 +379,7 @@ def test_a_partial_chunk_stores_only_its_filled_blocks(tmp_path):
     pool.begin_write(0).copy_(torch.arange(1024.0).view(shape))
     pool.end_write(0, key(1))
     disk.offload(0, key(1), 1)
-    disk.flush()
+    assert disk.flush()
     assert chunk_path(tmp_path / "kv", key(1)).stat().st_size == HEAD_BYTES + CHUNK_BYTES // 4
     pool.begin_write(1).zero_()
     assert disk.fetch([(1, key(1), 1)]) == [True]
@@ -391,7 +391,7 @@ def test_a_partial_chunk_stores_only_its_filled_blocks(tmp_path):
     with RedisServer() as server:
         redis = RedisTier(RedisStore.from_url(server.url), pool, "kv", blocks_per_chunk=4)
         redis.offload(0, key(1), 1)
-        redis.flush()
+        assert redis.flush()
         assert server.client().strlen(f"kvc:{key(1)}") < CHUNK_BYTES // 4 + 512
         pool.begin_write(1).zero_()
         assert redis.fetch([(1, key(1), 1)]) == [True]
@@ -448,7 +448,7 @@ def test_chunk_files_are_written_past_the_page_cache(tmp_path, pool, monkeypatch
 
     monkeypatch.setattr(disk_files, "_write_all", misaligned)
     t.offload(0, key(2), 0)
-    t.flush()
+    assert t.flush()
     assert len(refused) == int(direct_io) and direct[-1] is False
     for i, v in ((1, 1.0), (2, 2.0)):
         pool.begin_write(1).zero_()

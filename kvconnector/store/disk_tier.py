@@ -23,7 +23,7 @@ from kvconnector.store.codec import REASONS, ExpectedChunk, checksum
 from kvconnector.store.disk_files import FULL_ERRNOS, DiskFiles, descriptor_path, file_size
 from kvconnector.store.disk_space import DiskSpace
 from kvconnector.store.memory import SlotPool
-from kvconnector.store.tiering import PutQueue, SlotBytes
+from kvconnector.store.tiering import FLUSH_TIMEOUT_S, PutQueue, SlotBytes
 
 logger = logging.getLogger("kvconnector.store.disk")
 
@@ -237,8 +237,8 @@ class DiskTier:
     def busy_seconds(self) -> float:
         return self._puts.busy_seconds
 
-    def flush(self) -> None:
-        self._puts.flush()
+    def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+        return self._puts.flush(timeout_s)
 
     def close(self, timeout_s: float) -> None:
         if self._puts.close(timeout_s):

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvconnector.store.tiering")
 
 MAX_QUEUED_PUTS = 256
+FLUSH_TIMEOUT_S = 60.0  # flush() is for tests, tools and benchmarks: a stuck write fails them
 
 
 class SlotBytes:
@@ -85,7 +86,7 @@ class LowerTier(Protocol):
     @property
     def queued(self) -> int: ...
 
-    def flush(self) -> None: ...
+    def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool: ...
 
     def close(self, timeout_s: float) -> None: ...
 
@@ -142,10 +143,16 @@ class PutQueue:
     def queued(self) -> int:
         return self._queue.unfinished_tasks
 
-    def flush(self) -> None:
-        """Wait until every queued copy has been made (or failed)."""
-        self._ready.wait()
-        self._queue.join()
+    def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+        """Wait until every queued copy has been made (or failed); False if some were
+        still queued or running after ``timeout_s`` (a stuck write: the caller decides)."""
+        deadline = time.monotonic() + timeout_s
+        if not self._ready.wait(timeout_s):
+            return False
+        done = self._queue.all_tasks_done
+        with done:
+            return done.wait_for(lambda: not self._queue.unfinished_tasks,
+                                 max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout_s: float) -> bool:
         """Make what can be made within ``timeout_s``, drop the rest (the engine is
@@ -250,8 +257,8 @@ class RedisTier:
     def busy_seconds(self) -> float:
         return self._puts.busy_seconds
 
-    def flush(self) -> None:
-        self._puts.flush()
+    def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+        return self._puts.flush(timeout_s)
 
     def close(self, timeout_s: float) -> None:
         self._puts.close(timeout_s)

@@ -52,6 +52,7 @@ class WorkerHalf:
         self.num_slots = config.memory_slots(compat.chunk_bytes(kv_cache_config, config))
         self.blocks_per_chunk = config.chunk_size // self.spec.block_size
         self._kv_events = compat.kv_events_enabled(vllm_config)
+        self._spare_cores = compat.spare_cores(vllm_config)
         config.check_memory_available(*host_memory())
         self.disk_capacity = (disk_capacity(config.disk_path, config.disk_capacity)
                               if config.disk_path else 0)
@@ -113,7 +114,7 @@ class WorkerHalf:
             self._host_transfer = HostTransfer(self.layers, self.layout,
                                                self.config.chunk_size // kbs, max_chunks=1)
         else:
-            self._copier = PagedCopier(self.layers, self.layout)
+            self._copier = PagedCopier(self.layers, self.layout, self._spare_cores)
         stream = self._host_transfer.stream if self._host_transfer is not None else None
         tiers = [t for t in (self.disk_tier, self.redis_tier) if t is not None]
         self.store = WorkerStore(self.pool, tiers, self.fingerprint, self.tp_rank,
@@ -341,6 +342,8 @@ class WorkerHalf:
         for tier in (self.disk_tier, self.redis_tier):
             if tier is not None:
                 tier.close(max(0.0, deadline - time.monotonic()))
+        if self._copier is not None:
+            self._copier.close()
 
     def take_stats(self) -> TransferStats | None:
         for name, busy in (("copy_thread", self.copies.busy_seconds),

@@ -3,6 +3,8 @@ reference gather/scatter moves, for every layout vLLM ships, and nothing else.""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from layouts import FAMILIES, make_case
@@ -90,3 +92,32 @@ def test_out_of_range_blocks_are_refused():
         PagedCopier(layers, layout).scatter(_pool(layers, layout), [Run(0, 0, 11, 2)])
     with pytest.raises(IndexError):
         PagedCopier(layers, layout).scatter(_pool(layers, layout), [Run(4, 0, 0, 1, slots=2)])
+
+
+@pytest.mark.parametrize("num_layers", [1, 3])
+@pytest.mark.parametrize("one_buffer", [True, False], ids=["stacked", "separate"])
+def test_a_load_split_with_a_helper_thread_moves_the_same_bytes(num_layers, one_buffer):
+    """Where the worker computes on one thread, half of a load's layers go to a helper on
+    the cores vLLM left spare; the bytes must be those of the reference, layer for layer."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        case = make_case("cpu-pages", num_layers=num_layers, num_blocks=12)
+        want = [t if one_buffer else t.clone() for t in case.layers]
+        layout = describe_layers({f"l{i}": t for i, t in enumerate(want)}, **case.describe_kw)
+        got = [t.clone() for t in want] if not one_buffer else \
+            list(make_case("cpu-pages", num_layers=num_layers, num_blocks=12).layers)
+        pool = _pool(want, layout)
+        reference.scatter(pool[[s for s, _ in CHUNKS]], layout, _ids(CHUNKS), want)
+        cores = os.sched_getaffinity(0)
+        copier = PagedCopier(got, layout, helper_cores=cores)
+        assert copier._helper is not None
+        assert (copier._stack is not None) == (one_buffer or num_layers == 1)
+        assert copier._helper.submit(os.sched_getaffinity, 0).result() == cores
+        copier.scatter(pool, block_runs(CHUNKS))
+        copier.close()
+        assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
+    finally:
+        torch.set_num_threads(threads)
+    if threads > 1:  # torch spreads each copy over the compute threads itself
+        assert PagedCopier(got, layout, helper_cores=cores)._helper is None

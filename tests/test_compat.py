@@ -52,3 +52,32 @@ def test_hits_are_labelled_host_memory_disk_and_external():
     labels = compat.hit_source_labels()
     assert {tier: label.value for tier, label in labels.items()} == {
         "memory": "host", "disk": "disk", "redis": "external_unspecified"}
+
+
+def _spare_in_a_bound_child(world_size: int, queue) -> None:
+    """As vLLM's CPU worker: bound to one core, a child of a process that may use all."""
+    import os
+    from types import SimpleNamespace
+
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    cfg = SimpleNamespace(parallel_config=SimpleNamespace(world_size=world_size,
+                                                          data_parallel_size=1))
+    queue.put(compat.spare_cores(cfg))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_lone_cpu_worker_finds_the_cores_vllm_left_spare(world_size):
+    """A worker bound to one core, under a parent on all of them: the others are spare,
+    unless other ranks of the same engine compute there."""
+    import multiprocessing
+    import os
+
+    allowed = os.sched_getaffinity(0)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_spare_in_a_bound_child, args=(world_size, queue))
+    child.start()
+    spare = queue.get(timeout=30)
+    child.join(30)
+    want = allowed - {min(allowed)} if world_size == 1 else set()
+    assert spare == want

@@ -23,6 +23,7 @@ from kvconnector.compat.engine import (
     mark_approximate,
     recompute_failed_loads,
     request_block_ids,
+    spare_cores,
     tp_rank,
     uncacheable_reason,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "mark_approximate",
     "recompute_failed_loads",
     "request_block_ids",
+    "spare_cores",
     "tp_rank",
     "uncacheable_reason",
     "WEIGHT_SAMPLE_BYTES",

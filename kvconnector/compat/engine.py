@@ -115,6 +115,21 @@ def is_cpu_platform() -> bool:
     return current_platform.is_cpu()
 
 
+def spare_cores(vllm_config: VllmConfig) -> set[int]:
+    """Cores a CPU worker may use beside those vLLM bound its compute threads to: the ones
+    it reserves for its engine-core process (the worker's parent) and KV transfers
+    (``VLLM_CPU_NUM_OF_RESERVED_CPU``). Empty unless this worker is its engine's only one:
+    other ranks compute on the rest."""
+    parallel = vllm_config.parallel_config
+    if parallel.world_size * parallel.data_parallel_size > 1 or \
+            not hasattr(os, "sched_getaffinity"):
+        return set()
+    try:
+        return os.sched_getaffinity(os.getppid()) - os.sched_getaffinity(0)
+    except OSError:  # the parent is gone or out of reach: no spare cores known
+        return set()
+
+
 def tp_rank() -> int:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

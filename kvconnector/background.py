@@ -12,14 +12,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
+
+from kvconnector import threads
 
 logger = logging.getLogger("kvconnector.background")
 
 
 class CopyThread:
     def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvconnector-copy")
+        self._executor = threads.pool("kvconnector-copy")
         self._lock = threading.Lock()
         self._by_slot: dict[int, Future[None]] = {}  # the last job touching each slot
         self._by_request: dict[str, set[Future[None]]] = {}

@@ -52,8 +52,9 @@ def test_a_failing_job_is_logged_and_does_not_stop_the_thread(caplog):
 
 
 def test_close_drops_queued_jobs_and_waits_only_so_long(caplog):
-    copies, gate, ran = CopyThread(), threading.Event(), []
-    copies.submit(gate.wait, ["running"], [1])
+    copies, gate, started, ran = CopyThread(), threading.Event(), threading.Event(), []
+    copies.submit(lambda: (started.set(), gate.wait()), ["running"], [1])
+    assert started.wait(10)  # running, not queued, when close comes
     for i in range(5):
         copies.submit(lambda i=i: ran.append(i), [f"queued{i}"], [2 + i])
     start = time.monotonic()

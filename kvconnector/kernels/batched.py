@@ -17,17 +17,14 @@ spreads each copy over them.
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from kvconnector import threads
 from kvconnector.layout import LayerLayout
-
-logger = logging.getLogger("kvconnector.kernels")
 
 
 @dataclass(frozen=True)
@@ -98,8 +95,7 @@ class PagedCopier:
         self._views = [layout.view(t) for t in self.layers]
         self._helper: ThreadPoolExecutor | None = None
         if helper_cores and torch.get_num_threads() == 1:
-            self._helper = ThreadPoolExecutor(1, "kvconnector-load-helper",
-                                              initializer=_bind, initargs=(set(helper_cores),))
+            self._helper = threads.pool("kvconnector-load-helper", set(helper_cores))
 
     def _pairs(self, pool: torch.Tensor, runs: Sequence[Run]
                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -150,13 +146,6 @@ class PagedCopier:
         self._check(pool, runs)
         paged, chunk = self._pairs(pool, runs)
         _copy_all(chunk, paged)
-
-
-def _bind(cores: set[int]) -> None:
-    try:
-        os.sched_setaffinity(0, cores)
-    except OSError as e:  # still correct where it runs; only slower
-        logger.debug("kvconnector: load helper not moved to cores %s: %s", sorted(cores), e)
 
 
 def _halves(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -19,6 +19,7 @@ from kvconnector.keys import ChunkKey, Fingerprint
 from kvconnector.store import descriptor
 from kvconnector.store.codec import ExpectedChunk, encode_header
 from kvconnector.store.memory import SlotPool
+from kvconnector.threads import start as start_thread
 
 if TYPE_CHECKING:
     from kvconnector.store.redis_store import RedisStore
@@ -105,13 +106,11 @@ class PutQueue:
         self._put = put
         self._queue: queue.Queue[tuple[int, ChunkKey, int] | None] = queue.Queue(max_queued)
         self._ready = threading.Event()
-        self._threads = [threading.Thread(target=self._loop, args=(first if i == 0 else None,),
-                                          name=f"kvconnector-{name}-put", daemon=True)
-                         for i in range(threads)]
         if first is None:
             self._ready.set()
-        for t in self._threads:
-            t.start()
+        self._threads = [start_thread(f"kvconnector-{name}-put",
+                                      lambda f=first if i == 0 else None: self._loop(f))
+                         for i in range(threads)]
 
     def offload(self, slot: int, key: ChunkKey, blocks: int = 0) -> None:
         try:

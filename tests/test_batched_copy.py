@@ -96,9 +96,13 @@ def test_out_of_range_blocks_are_refused():
 
 @pytest.mark.parametrize("num_layers", [1, 3])
 @pytest.mark.parametrize("one_buffer", [True, False], ids=["stacked", "separate"])
-def test_a_load_split_with_a_helper_thread_moves_the_same_bytes(num_layers, one_buffer):
-    """Where the worker computes on one thread, half of a load's layers go to a helper on
-    the cores vLLM left spare; the bytes must be those of the reference, layer for layer."""
+def test_a_load_split_with_a_helper_thread_moves_the_same_bytes(num_layers, one_buffer,
+                                                                monkeypatch):
+    """Where the worker computes on one thread, half of a big load's layers go to a helper
+    on the cores vLLM left spare; the bytes must be those of the reference, layer for layer.
+    A small load stays on the caller's thread."""
+    from kvconnector.kernels import batched
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -114,7 +118,14 @@ def test_a_load_split_with_a_helper_thread_moves_the_same_bytes(num_layers, one_
         assert copier._helper is not None
         assert (copier._stack is not None) == (one_buffer or num_layers == 1)
         assert copier._helper.submit(os.sched_getaffinity, 0).result() == cores
+        handed: list[int] = []
+        submit = copier._helper.submit
+        copier._helper.submit = lambda fn, *a: handed.append(1) or submit(fn, *a)
         copier.scatter(pool, block_runs(CHUNKS))
+        assert handed == []  # a few KiB: not worth the hand-over
+        monkeypatch.setattr(batched, "HELPER_MIN_BYTES", 0)
+        copier.scatter(pool, block_runs(CHUNKS))
+        assert handed == [1]
         copier.close()
         assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
     finally:

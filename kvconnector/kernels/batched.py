@@ -11,8 +11,9 @@ A load runs on the forward's thread while the forward waits. Where vLLM's CPU wo
 computes on one thread, half of a load's layers are copied on a helper thread on a core it
 left spare (the one it reserves for its engine-core process and KV transfers): a 90 MiB
 load took 6.8 ms instead of 11.8 on the 2-core machine of docs/benchmarks.md, with a process
-spinning on that core as vLLM's engine core does. With more compute threads, torch already
-spreads each copy over them.
+spinning on that core as vLLM's engine core does. A small load stays on one thread: handing
+it over costs more than it saves. With more compute threads, torch already spreads each copy
+over them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ import torch
 
 from kvconnector import threads
 from kvconnector.layout import LayerLayout
+
+# Waking the helper on the other core cost 0.3-0.4 ms a load here (tiny-model loads of
+# 0.5-2 MiB got that much slower); a copy of 16 MiB takes ~1.3 ms on one thread.
+HELPER_MIN_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -124,10 +129,12 @@ class PagedCopier:
                 raise IndexError(f"slots {r.slot}..{r.slot + r.slots - 1} outside the pool")
 
     def scatter(self, pool: torch.Tensor, runs: Sequence[Run]) -> None:
-        """Chunk bytes -> paged blocks (half of the layers on the helper, if there is one)."""
+        """Chunk bytes -> paged blocks (half of the layers on the helper, if there is one
+        and the load is big enough to repay handing it over)."""
         self._check(pool, runs)
         paged, chunk = self._pairs(pool, runs)
-        if self._helper is None:
+        if self._helper is None or \
+                sum(t.numel() for t in chunk) * pool.element_size() < HELPER_MIN_BYTES:
             _copy_all(paged, chunk)
             return
         (dst_a, dst_b), (src_a, src_b) = _halves(paged), _halves(chunk)

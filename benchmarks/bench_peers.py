@@ -25,8 +25,10 @@ prompt): ExampleConnector keeps only the last step of a prompt prefilled in seve
 and then fails to load it (a shape mismatch that stops the engine, seen at 8192 tokens).
 vLLM's own prefix cache is off for every connector, so each hit is the connector's. TTFT is
 the latency of a one-token generation of one request; per length the median over
-``--repeats`` distinct prompts. After the timed hit, each prompt is generated once more (a
-hit again) for ``--check-tokens`` greedy tokens, which must equal ``recompute``'s.
+``--repeats`` distinct prompts; every engine runs with vLLM's stats on, which carry
+kvconnector's phase timers (its breakdown of each hit is printed). After the timed hit,
+each prompt is generated once more (a hit again) for ``--check-tokens`` greedy tokens,
+which must equal ``recompute``'s.
 vLLM's ``OffloadingConnector`` and ``SimpleCPUOffloadConnector`` are started too (prefix
 cache on, as they expect); the report records what they do on this machine.
 """

@@ -67,7 +67,9 @@ def start(name: str, loop: Callable[[], None]) -> threading.Thread:
 
 
 def _restore_default(threads: int) -> None:
-    """The default for threads to come, as it was (the caller keeps its own setting)."""
+    """The default for threads to come: the caller's own count. Where vLLM leaves the
+    default unset (from ``OMP_NUM_THREADS``, which it sets to the worker's cores) that is the
+    same number; the caller's own setting does not change."""
     try:
         torch._C.set_num_threads(threads)
     except Exception:

@@ -36,6 +36,22 @@ def _worker_totals(worker) -> dict:
     return dict(get_kv_transfer_group().worker.totals.data)
 
 
+def _every_load_to_the_helper(worker) -> list[int]:
+    """Sends every load, however small, half to the load helper (``kernels/batched.py``),
+    and fills vLLM's KV cache with noise, so that a half left uncopied shows in the answer
+    (else a freed block may still hold the same KV); the helper's cores, empty where the
+    worker has none to spare."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvconnector.kernels import batched
+
+    batched.HELPER_MIN_BYTES = 0
+    half = get_kv_transfer_group().worker
+    for layer in half.layers:
+        layer.normal_()
+    return sorted(half._spare_cores) if half._copier._helper is not None else []
+
+
 def _corrupt(worker, prompt: list[int], chunk: int, reseal: bool) -> bool:
     """Overwrite one stored chunk's slot with noise. Memory slots are not re-checked on
     loads (docs/architecture.md, "Integrity"), so the noise is loaded: the control showing
@@ -419,6 +435,8 @@ def _main(spec_path: str, out_path: str) -> None:
             results.append({"scheduler": _scheduler_outstanding(llm),
                             "workers": llm.collective_rpc(
                                 _worker_outstanding, args=(step.get("drain", False),))})
+        elif op == "every_load_to_the_helper":
+            results.append(llm.collective_rpc(_every_load_to_the_helper)[0])
         elif op == "flush":
             results.append(llm.collective_rpc(_flush_tiers))
         elif op == "disk_stats":

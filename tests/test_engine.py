@@ -173,6 +173,22 @@ def test_repeated_prompt_multiprocess(tiny_model, tmp_path_factory, fp32_baselin
     assert res[1][0]["tokens"] == fp32_baseline["P1"]
 
 
+def test_a_load_split_with_the_helper_gives_the_same_tokens(tiny_model, tmp_path_factory,
+                                                           fp32_baseline):
+    """A worker computing on one thread copies half of a load on the core vLLM left spare
+    (here every load, however small): the answer is vLLM alone's."""
+    import os
+
+    res = run_engine(tmp_path_factory.mktemp("helper"), {
+        "model": tiny_model, "connector": MEM, "steps": [
+            {"op": "generate", "prompts": [P1]}, {"op": "every_load_to_the_helper"},
+            {"op": "generate", "prompts": [P1]}, {"op": "totals"}]}, multiprocess=True)
+    if len(os.sched_getaffinity(0)) > 1:  # a 1-core machine has no core to spare
+        assert res[1], "no load helper on a worker with a core to spare"
+    assert res[2][0]["cached"] == P1_HIT and res[3]["loaded_chunks"] == 3
+    assert res[2][0]["tokens"] == fp32_baseline["P1"]
+
+
 def test_more_prompts_than_kv_budget_hit_the_store(tiny_model, tmp_path_factory):
     """vLLM's own prefix cache is on but too small: revisits come from the store."""
     spec = {"model": tiny_model, "prefix_caching": True, "kv_cache_bytes": 3 << 20,

@@ -60,7 +60,9 @@ def resolve_model(args) -> tuple[str, int]:
 
 @contextmanager
 def redis_for(args):
-    """Yields ``args`` with ``redis_url`` set when ``--redis`` asked for a local server."""
+    """Yields ``args`` with ``redis_url`` set when ``--redis`` asked for a local server, and
+    ``redis_unix_url``: the same server's unix socket (None for a server given by URL)."""
+    args.redis_unix_url = None
     if not args.redis:
         yield args
         return
@@ -69,8 +71,9 @@ def redis_for(args):
     sys.path.insert(0, str(ROOT))
     from tests.redis_server import RedisServer
 
-    with RedisServer() as server:
+    with RedisServer(unixsocket=True) as server:
         args.redis_url = server.url
+        args.redis_unix_url = server.unix_url
         yield args
 
 

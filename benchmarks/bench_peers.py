@@ -27,12 +27,13 @@ prompt): ExampleConnector keeps only the last step of a prompt prefilled in seve
 and then fails to load it (a shape mismatch that stops the engine, seen at 8192 tokens).
 vLLM's own prefix cache is off for every connector, so each hit is the connector's. TTFT is
 the latency of a one-token generation of one request; per length the median over
-``--repeats`` distinct prompts; every engine runs with vLLM's stats on, which carry
-kvconnector's phase timers (its breakdown of each hit is printed); every engine pauses for
-0.3 s and serves a 16-token request just before and after each timed hit (which flushes the
-timers), so every hit follows the same sequence. After the timed hit,
-each prompt is generated once more (a hit again) for ``--check-tokens`` greedy tokens,
-which must equal ``recompute``'s.
+``--repeats`` distinct prompts and ``--rounds`` engines a configuration (engines of one
+configuration differ by 10-30% on this machine; the rounds take turns); every engine runs
+with vLLM's stats on, which carry kvconnector's phase timers (its breakdown of each hit is
+printed); every engine pauses for 0.3 s and serves a 16-token request just before and after
+each timed hit (which flushes the timers), so every hit follows the same sequence. After
+the timed hit, each prompt is generated once more (a hit again) for ``--check-tokens``
+greedy tokens, which must equal ``recompute``'s.
 vLLM's ``OffloadingConnector`` and ``SimpleCPUOffloadConnector`` are started too (prefix
 cache on, as they expect); the report records what they do on this machine.
 """
@@ -75,7 +76,7 @@ def run_config(model: str, args, kvt: dict | None, prompts: dict[int, list[list[
     ``fill_first``), the greedy tokens of one more request of it, and for kvconnector where
     a hit's time went (its phase timers, per hit)."""
     max_len = max(prompts) + args.check_tokens + 64
-    ttft: dict[int, float] = {}
+    ttft: dict[int, list[float]] = {}
     cached: dict[int, list[int]] = {}
     tokens: dict[int, list[list[int]]] = {}
     phases: dict[int, dict[str, float]] = {}
@@ -107,7 +108,7 @@ def run_config(model: str, args, kvt: dict | None, prompts: dict[int, list[list[
                 cached[n].append(outs[0].num_cached_tokens or 0)
                 _, outs = timed_generate(llm, [p], args.check_tokens)
                 tokens[n].append(list(outs[0].outputs[0].token_ids))
-            ttft[n] = statistics.median(times)
+            ttft[n] = times
     return {"ttft": ttft, "cached": cached, "tokens": tokens, "phases": phases}
 
 
@@ -195,6 +196,9 @@ def main() -> None:
     # 16000, not 16384: the tiny model's 16384 positions must also hold the checked tokens.
     p.add_argument("--lengths", default="1024,2048,4096,8192,16000")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="fresh engines per configuration, taking turns (each round starts "
+                        "one configuration later); a TTFT is the median over all of them")
     p.add_argument("--check-tokens", type=int, default=16)
     p.add_argument("--parked", action="store_true",
                    help="also measure Redis and disk hits parked a step (sync_fetch_max_mib 0)")
@@ -203,6 +207,8 @@ def main() -> None:
 
 
 def bench(args) -> None:
+    from contextlib import ExitStack
+
     from tqdm import tqdm
 
     model, vocab = resolve_model(args)
@@ -210,53 +216,79 @@ def bench(args) -> None:
     rng = random.Random(0)
     prompts = {n: [random_prompt(rng, n, vocab) for _ in range(args.repeats)] for n in lengths}
     extra = {"memory_capacity": args.memory_capacity}
-    runs: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="kvc-example-connector-") as disk:
-        configs = [
-            ("recompute", None, False, False),
-            (FLOOR, None, True, True),
+    with ExitStack() as stack:
+        example = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvc-example-connector-"))
+        # (name, kv_transfer_config, vLLM's prefix cache, fill first, before each engine)
+        configs: list[tuple] = [
+            ("recompute", None, False, False, None),
+            (FLOOR, None, True, True, None),
             ("ExampleConnector", {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                                  "kv_connector_extra_config": {"shared_storage_path": disk}},
-             False, True),
-            ("kvconnector memory", connector(extra), False, True),
+                                  "kv_connector_extra_config": {"shared_storage_path": example}},
+             False, True, None),
+            ("kvconnector memory", connector(extra), False, True, None),
         ]
-        for name, kvt, prefix, fill in tqdm(configs, desc="engines"):
-            runs[name] = in_fresh_process(run_config, model, args, kvt, prompts, prefix, fill)
-    if args.redis_url:
-        with_redis = connector({**extra, "redis_url": args.redis_url})
-        chunks = sum(len(q) // 256 for group in prompts.values() for q in group)
-        stored = in_fresh_process(fill_redis, model, args, with_redis, prompts, chunks)
-        if stored < chunks:
-            print(f"warning: Redis holds {stored} of {chunks} chunks")
-        runs["kvconnector redis"] = in_fresh_process(run_config, model, args, with_redis,
-                                                     prompts, False, False)
-        if args.redis_unix_url:  # the same chunks, read over the server's unix socket
-            runs["kvconnector redis, unix socket"] = in_fresh_process(
-                run_config, model, args, connector({**extra, "redis_url": args.redis_unix_url}),
-                prompts, False, False)
-        if args.parked:
-            runs["kvconnector redis, parked"] = in_fresh_process(
-                run_config, model, args, parked(with_redis), prompts, False, False)
-    if args.disk:
-        from common import ROOT
+        if args.redis_url:
+            with_redis = connector({**extra, "redis_url": args.redis_url})
+            chunks = sum(len(q) // 256 for group in prompts.values() for q in group)
+            stored = in_fresh_process(fill_redis, model, args, with_redis, prompts, chunks)
+            if stored < chunks:
+                print(f"warning: Redis holds {stored} of {chunks} chunks")
+            configs.append(("kvconnector redis", with_redis, False, False, None))
+            if args.redis_unix_url:  # the same chunks, read over the server's unix socket
+                configs.append(("kvconnector redis, unix socket",
+                                connector({**extra, "redis_url": args.redis_unix_url}),
+                                False, False, None))
+            if args.parked:
+                configs.append(("kvconnector redis, parked", parked(with_redis), False, False,
+                                None))
+        if args.disk:
+            from common import ROOT
 
-        (ROOT / ".cache").mkdir(exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=ROOT / ".cache", prefix="bench-peers-disk-") as d:
+            (ROOT / ".cache").mkdir(exist_ok=True)
+            d = stack.enter_context(tempfile.TemporaryDirectory(dir=ROOT / ".cache",
+                                                                prefix="bench-peers-disk-"))
             with_disk = connector({**extra, "disk_path": d})
             chunks = sum(-(-(len(q) - 1) // 256) for group in prompts.values() for q in group)
             stored = in_fresh_process(fill_disk, model, args, with_disk, prompts, d, chunks)
             if stored < chunks:
                 print(f"warning: the disk holds {stored} of {chunks} chunk files")
-            drop_page_cache(d)
-            runs["kvconnector disk"] = in_fresh_process(run_config, model, args, with_disk,
-                                                        prompts, False, False)
+            configs.append(("kvconnector disk", with_disk, False, False,
+                            lambda: drop_page_cache(d)))
             if args.parked:
-                drop_page_cache(d)
-                runs["kvconnector disk, parked"] = in_fresh_process(
-                    run_config, model, args, parked(with_disk), prompts, False, False)
+                configs.append(("kvconnector disk, parked", parked(with_disk), False, False,
+                                lambda: drop_page_cache(d)))
+        runs: dict[str, dict] = {}
+        for r in range(args.rounds):  # each round starts one configuration later
+            order = configs[r % len(configs):] + configs[:r % len(configs)]
+            for name, kvt, prefix, fill, before in tqdm(order, desc=f"round {r + 1}"):
+                if before is not None:
+                    before()
+                merge(runs.setdefault(name, {}), in_fresh_process(
+                    run_config, model, args, kvt, prompts, prefix, fill), args.rounds)
+        runs = {name: runs[name] for name, *_ in configs}
+    for r in runs.values():
+        r["ttft"] = {n: statistics.median(t) for n, t in r["ttft"].items()}
     refused = {name: in_fresh_process(refusal, model, args, kvt)
                for name, kvt in REFUSING_PEERS.items()}
     report(args, model, lengths, runs, refused)
+
+
+def merge(into: dict, run: dict, rounds: int) -> None:
+    """One engine's results into its configuration's: every hit's time, the phase timers
+    averaged over the rounds; the tokens of every round must be the same (else the first
+    round's are kept and marked, which the report shows as differing)."""
+    if not into:
+        into.update({"ttft": run["ttft"], "cached": run["cached"], "tokens": run["tokens"],
+                     "phases": {n: {k: v / rounds for k, v in p.items()}
+                                for n, p in run["phases"].items()}})
+        return
+    for n in run["ttft"]:
+        into["ttft"][n] += run["ttft"][n]
+        into["cached"][n] += run["cached"][n]
+        if run["tokens"][n] != into["tokens"][n]:
+            into["tokens"][n] = [[-1]]  # rounds disagree: never equal to another's
+        for k, v in run["phases"].get(n, {}).items():
+            into["phases"][n][k] = into["phases"][n].get(k, 0.0) + v / rounds
 
 
 def report(args, model: str, lengths: list[int], runs: dict, refused: dict) -> None:
@@ -271,7 +303,7 @@ def report(args, model: str, lengths: list[int], runs: dict, refused: dict) -> N
                     for n in lengths}
              for name, r in runs.items()}
     print(f"\nhit TTFT (s) and ratio to vLLM's own prefix-cache hit; model {model} "
-          f"({args.dtype}), median of {args.repeats}")
+          f"({args.dtype}), median of {args.repeats} prompts x {args.rounds} engines")
     print(f"{'tokens':>7} " + " ".join(f"{k:>24}" for k in names))
     for n in lengths:
         cells = [f"{table[k][n]['ttft_s']:.4f} ({table[k][n]['vs_floor']:.2f}x)"
@@ -292,6 +324,7 @@ def report(args, model: str, lengths: list[int], runs: dict, refused: dict) -> N
         print(f"{name}: {why}")
     out = write_results(args.out, "peers", {"model": model, "dtype": args.dtype,
                                             "lengths": lengths, "repeats": args.repeats,
+                                            "rounds": args.rounds,
                                             "results": table, "refused": refused,
                                             "connector_seconds_per_hit": {
                                                 name: r.get("phases", {})

@@ -275,8 +275,8 @@ def bench(args) -> None:
 
 def merge(into: dict, run: dict, rounds: int) -> None:
     """One engine's results into its configuration's: every hit's time, the phase timers
-    averaged over the rounds; the tokens of every round must be the same (else the first
-    round's are kept and marked, which the report shows as differing)."""
+    averaged over the rounds; the tokens of every round must be the same (else the
+    configuration is marked, and the report shows its tokens as differing)."""
     if not into:
         into.update({"ttft": run["ttft"], "cached": run["cached"], "tokens": run["tokens"],
                      "phases": {n: {k: v / rounds for k, v in p.items()}
@@ -286,7 +286,7 @@ def merge(into: dict, run: dict, rounds: int) -> None:
         into["ttft"][n] += run["ttft"][n]
         into["cached"][n] += run["cached"][n]
         if run["tokens"][n] != into["tokens"][n]:
-            into["tokens"][n] = [[-1]]  # rounds disagree: never equal to another's
+            into.setdefault("rounds_differ", set()).add(n)
         for k, v in run["phases"].get(n, {}).items():
             into["phases"][n][k] = into["phases"][n].get(k, 0.0) + v / rounds
 
@@ -296,10 +296,17 @@ def report(args, model: str, lengths: list[int], runs: dict, refused: dict) -> N
     truth = runs["recompute"]["tokens"]
     floor_tokens = runs[FLOOR]["tokens"]
     names = list(runs)
+
+    def differ(name: str) -> set[int]:
+        """Lengths whose tokens differed between the configuration's engines."""
+        return runs[name].get("rounds_differ", set())
+
     table = {name: {n: {"ttft_s": r["ttft"][n], "vs_floor": r["ttft"][n] / floor[n],
                         "cached_tokens": r["cached"][n],
-                        "same_tokens": r["tokens"][n] == truth[n],
-                        "same_tokens_as_floor": r["tokens"][n] == floor_tokens[n]}
+                        "same_tokens": r["tokens"][n] == truth[n]
+                        and n not in differ("recompute") | differ(name),
+                        "same_tokens_as_floor": r["tokens"][n] == floor_tokens[n]
+                        and n not in differ(FLOOR) | differ(name)}
                     for n in lengths}
              for name, r in runs.items()}
     print(f"\nhit TTFT (s) and ratio to vLLM's own prefix-cache hit; model {model} "

@@ -21,10 +21,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from kvconnector import threads
+from kvconnector.kernels.by_layer import LayerLoad
 from kvconnector.layout import LayerLayout
 
 # Waking the helper on the other core cost 0.3-0.4 ms a load here (tiny-model loads of
@@ -143,6 +145,22 @@ class PagedCopier:
             _copy_all(dst_a, src_a)
         finally:
             other.result()  # its error, if any, is the load's
+
+    def scatter_by_layer(self, pool: torch.Tensor, runs: Sequence[Run]) -> LayerLoad | None:
+        """Chunk bytes -> paged blocks on the helper, layer by layer, from now on; None (and
+        nothing copied) where there is no helper."""
+        if self._helper is None:
+            return None
+        self._check(pool, runs)
+        paged, chunk = self._pairs(pool, runs)
+        if self._stack is not None:
+            layers = [([p[i] for p in paged], [c[i] for c in chunk])
+                      for i in range(len(self.layers))]
+        else:  # one view per layer and run, layer by layer
+            r = len(runs)
+            layers = [(paged[i * r:(i + 1) * r], chunk[i * r:(i + 1) * r])
+                      for i in range(len(self.layers))]
+        return LayerLoad(self._helper, [partial(_copy_all, d, s) for d, s in layers])
 
     def close(self) -> None:
         if self._helper is not None:

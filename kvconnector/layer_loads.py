@@ -35,10 +35,10 @@ class Landed:
 
 
 class LoadsByLayer:
-    def __init__(self, layer_names: Sequence[str]) -> None:
+    def __init__(self, layer_names: Sequence[str], on: bool = True) -> None:
         self._index = {name: i for i, name in enumerate(layer_names)}
         self._unseen = set(self._index.values())
-        self._off = False
+        self._off = not on
         self._load: LayerLoad | None = None
         self._transfers: list[ChunkTransfer] = []
         self._handed_over_s = 0.0

@@ -71,7 +71,7 @@ class WorkerHalf:
         self._host_transfer: HostTransfer | None = None
         self._copier: PagedCopier | None = None
         self.copies = CopyThread()
-        self.by_layer = LoadsByLayer(self.layer_names)
+        self.by_layer = LoadsByLayer(self.layer_names, config.load_by_layer)
         self._busy_reported: dict[str, float] = {}  # thread -> busy seconds reported
         self._device_lock = threading.Lock()  # HostTransfer's staging buffer is shared
         self.blend = (BlendWorker(config, vllm_config, self.spec, len(self.layer_names),

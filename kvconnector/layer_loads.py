@@ -38,13 +38,14 @@ class LoadsByLayer:
     def __init__(self, layer_names: Sequence[str], on: bool = True) -> None:
         self._index = {name: i for i, name in enumerate(layer_names)}
         self._unseen = set(self._index.values())
-        self._off = not on
+        self.enabled = on
         self._load: LayerLoad | None = None
         self._transfers: list[ChunkTransfer] = []
         self._handed_over_s = 0.0
 
     def usable(self, nbytes: int) -> bool:
-        return not self._unseen and not self._off and nbytes >= MIN_BYTES
+        return (self.enabled and not self._unseen and self._load is None
+                and nbytes >= MIN_BYTES)
 
     def begin(self, load: LayerLoad, transfers: list[ChunkTransfer],
               handed_over_s: float) -> None:
@@ -74,5 +75,5 @@ class LoadsByLayer:
         elif load.unwaited:
             problem = (f"vLLM did not wait for layers {load.unwaited} of a load by layer; "
                        "loads land before the forward pass from now on")
-            self._off = True
+            self.enabled = False
         return Landed(self._transfers, load, self._handed_over_s, problem)

@@ -62,20 +62,32 @@ def test_no_helper_no_load_by_layer():
 
 
 def _gated(n: int):
-    """``n`` copies that each wait for their gate: the test decides when a layer lands."""
+    """A copy of ``n`` layers, each waiting for its gate: the test decides when a layer
+    lands."""
     gates = [threading.Event() for _ in range(n)]
     done: list[int] = []
 
-    def copy(i: int) -> None:
-        assert gates[i].wait(10)
-        done.append(i)
-    return gates, done, [lambda i=i: copy(i) for i in range(n)]
+    def copy(landed) -> None:
+        for i in range(n):
+            assert gates[i].wait(10)
+            done.append(i)
+            landed(i)
+    return gates, done, copy
+
+
+def _layers(*copies):
+    """A copy running ``copies`` one layer each."""
+    def copy(landed) -> None:
+        for i, c in enumerate(copies):
+            c()
+            landed(i)
+    return len(copies), copy
 
 
 def test_a_wait_returns_only_once_its_layer_has_landed():
     gates, done, copies = _gated(3)
     with ThreadPoolExecutor(1) as helper:
-        load = LayerLoad(helper, copies)
+        load = LayerLoad(helper, 3, copies)
         gates[0].set()
         load.wait(0)
         assert done == [0]
@@ -97,7 +109,7 @@ def test_a_failed_copy_wakes_every_waiter_and_is_reported():
         raise RuntimeError("copy broke")
 
     with ThreadPoolExecutor(1) as helper:
-        load = LayerLoad(helper, [lambda: None, broken, lambda: None])
+        load = LayerLoad(helper, *_layers(lambda: None, broken, lambda: None))
         for i in range(3):
             load.wait(i)  # returns: nobody waits forever on a failed copy
         assert isinstance(load.finish(), RuntimeError)
@@ -128,7 +140,7 @@ def test_a_layer_never_waited_for_is_a_recompute_and_ends_loads_by_layer():
         loads.wait(n)
     transfers = [_transfer(0), _transfer(1)]
     with ThreadPoolExecutor(1) as helper:
-        loads.begin(LayerLoad(helper, [lambda: None] * 3), transfers, 0.001)
+        loads.begin(LayerLoad(helper, *_layers(*[lambda: None] * 3)), transfers, 0.001)
         loads.wait("a")
         loads.wait("c")  # "b": the forward read it without waiting
         landed = loads.land()
@@ -148,7 +160,7 @@ def test_a_load_by_layer_that_failed_is_a_recompute():
         raise RuntimeError("copy broke")
 
     with ThreadPoolExecutor(1) as helper:
-        loads.begin(LayerLoad(helper, [lambda: None, broken]), [_transfer(0)], 0.0)
+        loads.begin(LayerLoad(helper, *_layers(lambda: None, broken)), [_transfer(0)], 0.0)
         for n in names:
             loads.wait(n)
         landed = loads.land()

@@ -18,7 +18,7 @@ over them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -148,19 +148,28 @@ class PagedCopier:
 
     def scatter_by_layer(self, pool: torch.Tensor, runs: Sequence[Run]) -> LayerLoad | None:
         """Chunk bytes -> paged blocks on the helper, layer by layer, from now on; None (and
-        nothing copied) where there is no helper."""
+        nothing copied) where there is no helper. Even the views are made there: a hit of
+        62 chunks in as many runs took 1.9 ms of the forward's thread to make them
+        (docs/benchmarks.md section 16)."""
         if self._helper is None:
             return None
         self._check(pool, runs)
+        return LayerLoad(self._helper, len(self.layers), partial(self._by_layer, pool, runs))
+
+    def _by_layer(self, pool: torch.Tensor, runs: Sequence[Run],
+                  landed: Callable[[int], None]) -> None:
         paged, chunk = self._pairs(pool, runs)
-        if self._stack is not None:
-            layers = [([p[i] for p in paged], [c[i] for c in chunk])
-                      for i in range(len(self.layers))]
+        if self._stack is not None:  # each run's views, split by layer
+            to, of = [p.unbind(0) for p in paged], [c.unbind(0) for c in chunk]
+            per_layer = (([t[i] for t in to], [c[i] for c in of])
+                         for i in range(len(self.layers)))
         else:  # one view per layer and run, layer by layer
             r = len(runs)
-            layers = [(paged[i * r:(i + 1) * r], chunk[i * r:(i + 1) * r])
-                      for i in range(len(self.layers))]
-        return LayerLoad(self._helper, [partial(_copy_all, d, s) for d, s in layers])
+            per_layer = ((paged[i * r:(i + 1) * r], chunk[i * r:(i + 1) * r])
+                         for i in range(len(self.layers)))
+        for i, (dst, src) in enumerate(per_layer):
+            _copy_all(list(dst), list(src))
+            landed(i)
 
     def close(self) -> None:
         if self._helper is not None:

@@ -11,27 +11,27 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
 
 class LayerLoad:
-    """Copies ``copies[i]`` (layer ``i``'s part of the load) in order, on ``executor``."""
+    """Runs ``copy(landed)`` on ``executor``: it copies the load's layers in order and calls
+    ``landed(i)`` once layer ``i`` is in place."""
 
-    def __init__(self, executor: Executor, copies: Sequence[Callable[[], None]]) -> None:
-        self._landed = [threading.Event() for _ in copies]
-        self.waited = [False] * len(copies)
+    def __init__(self, executor: Executor, num_layers: int,
+                 copy: Callable[[Callable[[int], None]], None]) -> None:
+        self._landed = [threading.Event() for _ in range(num_layers)]
+        self.waited = [False] * num_layers
         self.wait_seconds = 0.0  # the forward's, in ``wait``
         self.copy_seconds = 0.0  # the helper's
         self.error: BaseException | None = None
-        self._done: Future[None] = executor.submit(self._run, list(copies))
+        self._done: Future[None] = executor.submit(self._run, copy)
 
-    def _run(self, copies: list[Callable[[], None]]) -> None:
+    def _run(self, copy: Callable[[Callable[[int], None]], None]) -> None:
         start = time.perf_counter()
         try:
-            for copy, landed in zip(copies, self._landed, strict=True):
-                copy()
-                landed.set()
+            copy(lambda i: self._landed[i].set())
         except BaseException as e:  # the load's error, reported by ``finish``
             self.error = e
         finally:

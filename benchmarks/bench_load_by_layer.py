@@ -41,10 +41,15 @@ MODES = ("by layer", "before the forward")
 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
 
-def _switch(worker, on: bool) -> bool:
-    """On the worker: loads by layer on or off; whether the next big load will go by layer."""
+def _switch(worker, on: bool, min_layers: int | None) -> bool:
+    """On the worker: loads by layer on or off (and their floor of layers, if given);
+    whether the next big load will go by layer."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+    from kvconnector import layer_loads
+
+    if min_layers is not None:
+        layer_loads.MIN_LAYERS = min_layers
     loads = get_kv_transfer_group().worker.by_layer
     loads.enabled = on
     return loads.usable(1 << 40)
@@ -88,7 +93,8 @@ def _hits(llm, args, lengths: list[int], rng: random.Random, timers, ttft: dict,
             timed_generate(llm, [p], 1)  # stores it
             tokens = []
             for mode in (MODES if i % 2 == 0 else MODES[::-1]):
-                went = llm.collective_rpc(_switch, args=(mode == "by layer",))
+                went = llm.collective_rpc(_switch, args=(mode == "by layer",
+                                                         args.min_layers))
                 assert all(went) == (mode == "by layer"), (mode, went)
                 before = timers()
                 secs, outs = timed_generate(llm, [p], 1)
@@ -110,6 +116,9 @@ def main() -> None:
     p.add_argument("--lengths", default="2048,4096")
     p.add_argument("--repeats", type=int, default=6, help="prompts per length and engine")
     p.add_argument("--engines", type=int, default=2, help="fresh engines, one after another")
+    p.add_argument("--min-layers", type=int, default=None,
+                   help="loads by layer for models with this many layers or more (default: "
+                        "kvconnector's MIN_LAYERS; 0 to measure the tiny model's 2 layers)")
     args = p.parse_args()
     model, args.vocab = resolve_model(args)
     engines = [in_fresh_process(run_engine, model, args, seed)

@@ -50,6 +50,7 @@ def _every_load_to_the_helper(worker, by_layer: bool) -> list[int]:
 
     batched.HELPER_MIN_BYTES = 0
     layer_loads.MIN_BYTES = 0 if by_layer else 1 << 62
+    layer_loads.MIN_LAYERS = 0
     if by_layer:
         copy = batched._copy_all
         batched._copy_all = lambda dst, src: time.sleep(0.02) or copy(dst, src)

@@ -120,7 +120,8 @@ def _transfer(i: int) -> ChunkTransfer:
                          block_ids=[2 * i, 2 * i + 1])
 
 
-def test_loads_go_by_layer_only_after_vllm_waited_for_every_layer():
+def test_loads_go_by_layer_only_after_vllm_waited_for_every_layer(monkeypatch):
+    monkeypatch.setattr(layer_loads, "MIN_LAYERS", 3)
     loads = LoadsByLayer(["a", "b", "c"])
     assert not loads.usable(1 << 30)  # vLLM has shown nothing yet
     loads.wait("a")
@@ -131,9 +132,12 @@ def test_loads_go_by_layer_only_after_vllm_waited_for_every_layer():
     assert loads.usable(1 << 30)
     assert not loads.usable(layer_loads.MIN_BYTES - 1)  # small: before the forward
     assert loads.land() is None  # nothing in flight
+    monkeypatch.setattr(layer_loads, "MIN_LAYERS", 4)
+    assert not loads.usable(1 << 30)  # too few layers to hide the copy behind
 
 
-def test_a_layer_never_waited_for_is_a_recompute_and_ends_loads_by_layer():
+def test_a_layer_never_waited_for_is_a_recompute_and_ends_loads_by_layer(monkeypatch):
+    monkeypatch.setattr(layer_loads, "MIN_LAYERS", 0)
     names = ["a", "b", "c"]
     loads = LoadsByLayer(names)
     for n in names:
@@ -150,7 +154,8 @@ def test_a_layer_never_waited_for_is_a_recompute_and_ends_loads_by_layer():
         assert loads.land() is None
 
 
-def test_a_load_by_layer_that_failed_is_a_recompute():
+def test_a_load_by_layer_that_failed_is_a_recompute(monkeypatch):
+    monkeypatch.setattr(layer_loads, "MIN_LAYERS", 0)
     names = ["a", "b"]
     loads = LoadsByLayer(names)
     for n in names:

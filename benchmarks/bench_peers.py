@@ -11,9 +11,6 @@ Every configuration runs in its own fresh process, on the same prompts, one afte
   same prompt, whose KV is still where attention reads it: the floor a hit can approach;
 * ``ExampleConnector``: vLLM's example connector (safetensors files in a temporary folder);
 * ``kvconnector memory``: the second request of a prompt loads it from host memory;
-* with ``--before-forward``, ``kvconnector memory, before the forward``: the same with
-  ``load_by_layer: false``, every hit copied before the forward pass (the code before loads
-  by layer, measured in the same run);
 * ``kvconnector redis``: a second engine, with an empty memory tier, loads what a first
   engine wrote to a local redis-server (over TCP on loopback);
 * ``kvconnector redis, unix socket``: the same, with another fresh engine reading the same
@@ -205,9 +202,6 @@ def main() -> None:
     p.add_argument("--check-tokens", type=int, default=16)
     p.add_argument("--parked", action="store_true",
                    help="also measure Redis and disk hits parked a step (sync_fetch_max_mib 0)")
-    p.add_argument("--before-forward", action="store_true",
-                   help="also measure memory hits copied before the forward pass "
-                        "(load_by_layer false)")
     with redis_for(p.parse_args()) as args:
         bench(args)
 
@@ -233,9 +227,6 @@ def bench(args) -> None:
              False, True, None),
             ("kvconnector memory", connector(extra), False, True, None),
         ]
-        if args.before_forward:
-            configs.append(("kvconnector memory, before the forward",
-                            connector({**extra, "load_by_layer": False}), False, True, None))
         if args.redis_url:
             with_redis = connector({**extra, "redis_url": args.redis_url})
             chunks = sum(len(q) // 256 for group in prompts.values() for q in group)

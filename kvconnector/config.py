@@ -72,10 +72,6 @@ class ConnectorConfig:
         64, "int", "A request alone in the engine loads up to this many MiB from the disk or "
         "Redis before its own step's forward instead of waiting a step for them (a request "
         "arriving in that step waits as long); 0: always wait a step.", lo=0)
-    load_by_layer: bool = setting(
-        True, "bool", "Where the CPU worker computes on one thread and vLLM left a core spare, "
-        "copy a hit's KV there layer by layer while the forward pass runs (each layer's "
-        "attention waits for its own); false: every hit is copied before the forward.")
     disk_path: str | None = setting(
         None, "text", "A directory for the disk tier, behind memory and before Redis; off "
         "when absent. Kept across restarts; the engines of one host may share it.", **_PATH)

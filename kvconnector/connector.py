@@ -126,15 +126,15 @@ class KVConnector(KVConnectorBase_V1):
     @_timed
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
-        if plan.loads:  # a blend's hooks may read the cache: its step's loads land first
-            self.worker.load(plan, by_layer=not plan.blends)
+        if plan.loads:
+            self.worker.load(plan)
         if plan.async_loads:
             self.worker.start_async_loads(plan)
         if plan.blends:
             self.worker.blend.start(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.worker.by_layer.wait(layer_name)
+        return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
@@ -142,7 +142,6 @@ class KVConnector(KVConnectorBase_V1):
 
     @_timed
     def wait_for_save(self) -> None:
-        self.worker.land_layers()  # before any save may write a slot the load reads
         plan = self._plan()
         if plan.saves:
             self.worker.save(plan.saves)

@@ -1,8 +1,7 @@
 """Worker half: executes each step's plan between vLLM's paged KV tensors and the pool.
 
-Synchronous loads run on the main thread before the forward (or by layer beside it,
-``layer_loads.py``); saves and loads of requests parked in WAITING_FOR_REMOTE_KVS run on
-the copy thread (``background.py``)."""
+Synchronous loads run on the main thread before the forward; saves and loads of requests
+parked in WAITING_FOR_REMOTE_KVS run on the copy thread (``background.py``)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ from kvconnector.background import CopyThread
 from kvconnector.blend.worker import BlendWorker
 from kvconnector.config import ConnectorConfig
 from kvconnector.kernels.batched import PagedCopier, block_runs
-from kvconnector.layer_loads import LoadsByLayer
 from kvconnector.layout import LayerLayout, LayoutError, describe_layers
 from kvconnector.ledger import Ledger
 from kvconnector.metadata import IDLE_WAIT_S, ChunkTransfer, StepPlan, WorkerReport
@@ -71,7 +69,6 @@ class WorkerHalf:
         self._host_transfer: HostTransfer | None = None
         self._copier: PagedCopier | None = None
         self.copies = CopyThread()
-        self.by_layer = LoadsByLayer(self.layer_names, config.load_by_layer)
         self._busy_reported: dict[str, float] = {}  # thread -> busy seconds reported
         self._device_lock = threading.Lock()  # HostTransfer's staging buffer is shared
         self.blend = (BlendWorker(config, vllm_config, self.spec, len(self.layer_names),
@@ -134,14 +131,13 @@ class WorkerHalf:
         return torch.tensor([self._kernel_ids(block_ids)], dtype=torch.long)
 
     # ---- loads ----
-    def load(self, plan: StepPlan, by_layer: bool = True) -> None:
-        """Chunks this step's forward needs, in place before it starts (or, ``by_layer``,
-        before each layer's attention); those the scheduler found only on disk or in Redis
-        (for a request alone in the engine) fetched first."""
+    def load(self, plan: StepPlan) -> None:
+        """Chunks this step's forward needs, in place before it starts; those the scheduler
+        found only on disk or in Redis (for a request alone in the engine) fetched first."""
         try:
             self.copies.wait_for_slots(t.slot for t in plan.loads)
             self._fetch(plan.loads)
-            self._load_chunks(plan.loads, on_copy_thread=False, by_layer=by_layer)
+            self._load_chunks(plan.loads, on_copy_thread=False)
         except Exception:  # never the request, never the engine: a recompute
             logger.exception("kvconnector: loading %d chunks failed", len(plan.loads))
             for t in plan.loads:
@@ -175,8 +171,7 @@ class WorkerHalf:
         self.store.fetch([(t.slot, t.chunk_hash, t.source, t.blocks) for t in transfers
                           if t.source != "memory" and t.slot >= 0])
 
-    def _load_chunks(self, transfers: list[ChunkTransfer], on_copy_thread: bool,
-                     by_layer: bool = False) -> None:
+    def _load_chunks(self, transfers: list[ChunkTransfer], on_copy_thread: bool) -> None:
         """Check every slot's key, then move all the chunks that passed at once. A slot
         that fails costs a recompute of its blocks, never the request."""
         assert self.pool is not None and self.store is not None
@@ -195,11 +190,6 @@ class WorkerHalf:
         try:
             if self._copier is not None:
                 runs = block_runs((t.slot, self._kernel_ids(t.block_ids)) for t in ready)
-                if by_layer and self.by_layer.usable(self._bytes(ready)):
-                    load = self._copier.scatter_by_layer(self.pool.buffer, runs)
-                    if load is not None:  # counted when it has landed
-                        self.by_layer.begin(load, ready, time.perf_counter() - start)
-                        return
                 self._copier.scatter(self.pool.buffer, runs)
             else:
                 for t in ready:
@@ -210,38 +200,14 @@ class WorkerHalf:
             for t in ready:
                 self._load_failed(t, "error")
             return
-        elapsed = time.perf_counter() - start
-        self._count_loaded(ready, elapsed, elapsed)
-
-    def _bytes(self, transfers: list[ChunkTransfer]) -> int:
-        assert self.pool is not None
-        return sum(self.pool.chunk_bytes * sum(b >= 0 for b in t.block_ids)
-                   // len(t.block_ids) for t in transfers)
-
-    def _count_loaded(self, ready: list[ChunkTransfer], seconds: float, on_main: float) -> None:
         n_blocks = sum(b >= 0 for t in ready for b in t.block_ids)
+        bpc = len(ready[0].block_ids)
+        elapsed = time.perf_counter() - start
         self.ledger.count(loaded_chunks=len(ready),
                           loaded_tokens=n_blocks * self.spec.block_size,
-                          loaded_bytes=self._bytes(ready), load_seconds=seconds,
-                          **{"phase_seconds.load_copy": on_main})
-        self.ledger.observe(load_batch_seconds=seconds)
-
-    def land_layers(self) -> None:
-        """After the forward pass (before its load errors are taken): the load by layer of
-        this step, complete and counted, or its chunks recomputed."""
-        if (landed := self.by_layer.land()) is None:
-            return
-        if landed.problem is not None:
-            logger.warning("kvconnector: %s; %d chunks will be recomputed", landed.problem,
-                           len(landed.transfers))
-            for t in landed.transfers:
-                self._load_failed(t, "error")
-            return
-        load = landed.load
-        self._count_loaded(landed.transfers, landed.handed_over_s + load.copy_seconds,
-                           landed.handed_over_s)
-        self.ledger.count(**{"phase_seconds.wait_for_layer_load": load.wait_seconds,
-                             "phase_seconds.layer_copy": load.copy_seconds})
+                          loaded_bytes=self.pool.chunk_bytes * n_blocks // bpc,
+                          load_seconds=elapsed, **{"phase_seconds.load_copy": elapsed})
+        self.ledger.observe(load_batch_seconds=elapsed)
 
     def _load_cuda(self, slot: torch.Tensor, block_ids: torch.Tensor,
                    on_copy_thread: bool) -> None:
@@ -335,7 +301,6 @@ class WorkerHalf:
         the last step (vLLM already took their blocks back), then finishes the copies still
         reading blocks that vLLM hands out again in this step (finished or preempted
         requests)."""
-        self.land_layers()  # landed already, unless the last step ended unusually
         if plan.finished_saves:
             self.save(plan.finished_saves)
         if plan.fence:
@@ -344,10 +309,7 @@ class WorkerHalf:
     def finished_loading(self, idle: bool = False) -> set[str]:
         """Parked requests whose loads are done (failed ones included). In a step that
         computed nothing (``idle``), first wait up to ``IDLE_WAIT_S`` for a fetch in
-        flight: nothing else is running, and the copy thread gets the GIL meanwhile.
-        First the step's load by layer lands: with a draft model vLLM calls this before
-        ``wait_for_save``, and its errors must be known before it asks for them."""
-        self.land_layers()
+        flight: nothing else is running, and the copy thread gets the GIL meanwhile."""
         if idle:
             self.ledger.wait_for_fetch(IDLE_WAIT_S)
         if self.blend is not None:
@@ -375,7 +337,6 @@ class WorkerHalf:
     def shutdown(self) -> None:
         """Within ``SHUTDOWN_BUDGET_S``: what is queued and not started is dropped."""
         deadline = time.monotonic() + SHUTDOWN_BUDGET_S
-        self.land_layers()
         if not self.copies.close(SHUTDOWN_BUDGET_S / 2):
             logger.warning("kvconnector: a copy job outlasted the shutdown budget")
         for tier in (self.disk_tier, self.redis_tier):

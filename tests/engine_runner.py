@@ -36,40 +36,20 @@ def _worker_totals(worker) -> dict:
     return dict(get_kv_transfer_group().worker.totals.data)
 
 
-def _every_load_to_the_helper(worker, by_layer: bool) -> list[int]:
+def _every_load_to_the_helper(worker) -> list[int]:
     """Sends every load, however small, half to the load helper (``kernels/batched.py``),
-    or whole to it layer by layer beside the forward (``layer_loads.py``), and fills vLLM's
-    KV cache with noise, so that a part left uncopied or read before it landed shows in the
-    answer (else a freed block may still hold the same KV); by layer, each layer's copy
-    starts 20 ms late, so that a forward pass not waiting for it would read the noise. The
-    helper's cores, empty where the worker has none to spare."""
+    and fills vLLM's KV cache with noise, so that a half left uncopied shows in the answer
+    (else a freed block may still hold the same KV); the helper's cores, empty where the
+    worker has none to spare."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from kvconnector import layer_loads
     from kvconnector.kernels import batched
 
     batched.HELPER_MIN_BYTES = 0
-    layer_loads.MIN_BYTES = 0 if by_layer else 1 << 62
-    layer_loads.MIN_LAYERS = 0
-    if by_layer:
-        copy = batched._copy_all
-        batched._copy_all = lambda dst, src: time.sleep(0.02) or copy(dst, src)
     half = get_kv_transfer_group().worker
     for layer in half.layers:
         layer.normal_()
     return sorted(half._spare_cores) if half._copier._helper is not None else []
-
-
-def _skip_layer_wait(worker, layer: int) -> str:
-    """From now on vLLM's ``wait_for_layer_load`` for one layer does not reach the load in
-    flight, as with attention ops that lack the connector's per-layer hooks."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    loads = get_kv_transfer_group().worker.by_layer
-    name = get_kv_transfer_group().worker.layer_names[layer]
-    wait = loads.wait
-    loads.wait = lambda n: None if n == name else wait(n)
-    return name
 
 
 def _corrupt(worker, prompt: list[int], chunk: int, reseal: bool) -> bool:
@@ -456,10 +436,7 @@ def _main(spec_path: str, out_path: str) -> None:
                             "workers": llm.collective_rpc(
                                 _worker_outstanding, args=(step.get("drain", False),))})
         elif op == "every_load_to_the_helper":
-            results.append(llm.collective_rpc(_every_load_to_the_helper,
-                                              args=(step.get("by_layer", False),))[0])
-        elif op == "skip_layer_wait":
-            results.append(llm.collective_rpc(_skip_layer_wait, args=(step["layer"],))[0])
+            results.append(llm.collective_rpc(_every_load_to_the_helper)[0])
         elif op == "flush":
             results.append(llm.collective_rpc(_flush_tiers))
         elif op == "disk_stats":

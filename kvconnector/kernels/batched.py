@@ -18,15 +18,13 @@ over them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
 from kvconnector import threads
-from kvconnector.kernels.by_layer import LayerLoad
 from kvconnector.layout import LayerLayout
 
 # Waking the helper on the other core cost 0.3-0.4 ms a load here (tiny-model loads of
@@ -145,31 +143,6 @@ class PagedCopier:
             _copy_all(dst_a, src_a)
         finally:
             other.result()  # its error, if any, is the load's
-
-    def scatter_by_layer(self, pool: torch.Tensor, runs: Sequence[Run]) -> LayerLoad | None:
-        """Chunk bytes -> paged blocks on the helper, layer by layer, from now on; None (and
-        nothing copied) where there is no helper. Even the views are made there: a hit of
-        62 chunks in as many runs took 1.9 ms of the forward's thread to make them
-        (docs/benchmarks.md section 16)."""
-        if self._helper is None:
-            return None
-        self._check(pool, runs)
-        return LayerLoad(self._helper, len(self.layers), partial(self._by_layer, pool, runs))
-
-    def _by_layer(self, pool: torch.Tensor, runs: Sequence[Run],
-                  landed: Callable[[int], None]) -> None:
-        paged, chunk = self._pairs(pool, runs)
-        if self._stack is not None:  # each run's views, split by layer
-            to, of = [p.unbind(0) for p in paged], [c.unbind(0) for c in chunk]
-            per_layer = (([t[i] for t in to], [c[i] for c in of])
-                         for i in range(len(self.layers)))
-        else:  # one view per layer and run, layer by layer
-            r = len(runs)
-            per_layer = ((paged[i * r:(i + 1) * r], chunk[i * r:(i + 1) * r])
-                         for i in range(len(self.layers)))
-        for i, (dst, src) in enumerate(per_layer):
-            _copy_all(list(dst), list(src))
-            landed(i)
 
     def close(self) -> None:
         if self._helper is not None:

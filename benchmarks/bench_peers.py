@@ -278,8 +278,12 @@ def bench(args) -> None:
 def merge(into: dict, run: dict, rounds: int) -> None:
     """One engine's results into its configuration's: every hit's time, the phase timers
     averaged over the rounds; the tokens of every round must be the same (else the
-    configuration is marked, and the report shows its tokens as differing)."""
-    if not into:
+    configuration is marked, and the report shows its tokens as differing). Each engine's
+    own median TTFT and phases are kept too, to tell an outlying engine from a slow setup."""
+    into.setdefault("engines", []).append(
+        {n: {"ttft_s": statistics.median(t), "phases": run["phases"].get(n, {})}
+         for n, t in run["ttft"].items()})
+    if "ttft" not in into:
         into.update({"ttft": run["ttft"], "cached": run["cached"], "tokens": run["tokens"],
                      "phases": {n: {k: v / rounds for k, v in p.items()}
                                 for n, p in run["phases"].items()}})
@@ -329,6 +333,8 @@ def report(args, model: str, lengths: list[int], runs: dict, refused: dict) -> N
             if parts:
                 print(f"  {name}, {n} tokens, TTFT {r['ttft'][n] * 1000:.1f}: " + ", ".join(
                     f"{k} {v * 1000:.2f}" for k, v in parts if v >= 5e-5))
+                if len(r["engines"]) > 1:
+                    print("    per engine: " + ", ".join(_engine_cell(e[n]) for e in r["engines"]))
     for name, why in refused.items():
         print(f"{name}: {why}")
     out = write_results(args.out, "peers", {"model": model, "dtype": args.dtype,
@@ -337,9 +343,17 @@ def report(args, model: str, lengths: list[int], runs: dict, refused: dict) -> N
                                             "results": table, "refused": refused,
                                             "connector_seconds_per_hit": {
                                                 name: r.get("phases", {})
-                                                for name, r in runs.items()}})
+                                                for name, r in runs.items()},
+                                            "per_engine": {name: r["engines"]
+                                                           for name, r in runs.items()}})
     print(f"results: {out}")
     plot(out.with_suffix(".png"), model, lengths, table)
+
+
+def _engine_cell(e: dict) -> str:
+    """One engine's median TTFT of a length, with its fetch, if it had one (ms)."""
+    fetch = sum(v for k, v in e["phases"].items() if k.endswith("_fetch"))
+    return f"{e['ttft_s'] * 1000:.1f}" + (f" (fetch {fetch * 1000:.1f})" if fetch else "")
 
 
 def plot(path, model: str, lengths: list[int], table: dict) -> None:

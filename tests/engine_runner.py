@@ -273,14 +273,6 @@ def _redis_stats(worker) -> dict:
     return get_kv_transfer_group().worker.redis_tier.redis.snapshot()
 
 
-def _redis_socket(worker) -> str | None:
-    """The unix socket the worker's Redis connections use, None over TCP."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    pool = get_kv_transfer_group().worker.redis_tier.redis._connections.pool
-    return pool.connection_kwargs.get("path")
-
-
 def _redis_keys(llm, step: dict) -> list[list[str]]:
     """The Redis key of every full chunk of each prompt (TP rank ``step["rank"]``, default
     0), for tests that tamper with stored values."""
@@ -461,8 +453,6 @@ def _main(spec_path: str, out_path: str) -> None:
             results.append(len(list(Path(step["dir"]).rglob("*.kvc"))))
         elif op == "redis_stats":
             results.append(llm.collective_rpc(_redis_stats)[0])
-        elif op == "redis_socket":
-            results.append(llm.collective_rpc(_redis_socket)[0])
         elif op == "redis_server":
             results.append(_redis_server(step["port"], step["action"]))
         elif op == "race":

@@ -33,22 +33,20 @@ def redis_server():
 
 def test_second_engine_serves_first_engines_chunks(tiny_model, tmp_path_factory, baseline,
                                                    redis_server):
-    """The first engine writes over TCP, the second, given the same TCP URL, reads over the
-    server's unix socket (redis_prefer_socket; the faster way to a Redis on the same host:
-    docs/benchmarks.md section 15)."""
+    """The first engine writes over TCP, the second reads over the server's unix socket
+    (the faster way to a Redis on the same host: docs/benchmarks.md section 15)."""
     extra = {"memory_capacity": "64MiB", "redis_url": redis_server.url,
              "redis_key_prefix": "e2e"}
     first = run_engine(tmp_path_factory.mktemp("redis-a"), {
-        "model": tiny_model, "connector": {**extra, "redis_prefer_socket": False}, "steps": [
-            {"op": "generate", "prompts": [P1]}, {"op": "flush"}, {"op": "redis_stats"},
-            {"op": "redis_socket"}]})
-    assert first[2]["puts"] >= 2 and first[3] is None
+        "model": tiny_model, "connector": extra, "steps": [
+            {"op": "generate", "prompts": [P1]}, {"op": "flush"}, {"op": "redis_stats"}]})
+    assert first[2]["puts"] >= 2
     assert len(redis_server.client().keys("e2e:*")) >= 2
+    over_unix = {**extra, "redis_url": redis_server.unix_url}
     second = run_engine(tmp_path_factory.mktemp("redis-b"), {
-        "model": tiny_model, "connector": extra, "log_stats": True, "steps": [
+        "model": tiny_model, "connector": over_unix, "log_stats": True, "steps": [
             {"op": "generate", "prompts": [P1]}, {"op": "totals"},
-            {"op": "cached_by_source"}, {"op": "redis_socket"}]})
-    assert second[3] == redis_server.unix_path
+            {"op": "cached_by_source"}]})
     out, totals = second[0][0], second[1]
     assert second[2] == {"external_unspecified": P1_HIT}  # vLLM's label for a remote store
     assert out["cached"] == P1_HIT  # the partial chunk is in Redis too

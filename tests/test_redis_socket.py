@@ -36,13 +36,6 @@ def test_a_local_tcp_url_goes_over_the_servers_socket():
         tcp.close()
 
 
-def test_a_unix_url_is_taken_as_given():
-    with RedisServer(unixsocket=True, password="s3cret-pw") as server:
-        given = RedisStore(server.unix_url, prefer_socket=True)
-        assert _over_socket(given) and _round_trip(RedisStore(server.url), given)
-        given.close()
-
-
 def test_the_password_and_database_go_with_it():
     with RedisServer(unixsocket=True, password="s3cret-pw") as server:
         url = server.url + "/3"

@@ -12,8 +12,7 @@ Every configuration runs in its own fresh process, on the same prompts, one afte
 * ``ExampleConnector``: vLLM's example connector (safetensors files in a temporary folder);
 * ``kvconnector memory``: the second request of a prompt loads it from host memory;
 * ``kvconnector redis``: a second engine, with an empty memory tier, loads what a first
-  engine wrote to a local redis-server (over TCP on loopback: ``redis_prefer_socket``
-  false, else a local server's socket is used);
+  engine wrote to a local redis-server (over TCP on loopback);
 * ``kvconnector redis, unix socket``: the same, with another fresh engine reading the same
   chunks over the server's unix socket (only with the server this script starts);
 * ``kvconnector disk``: a second engine, with an empty memory tier, loads what a first
@@ -229,8 +228,7 @@ def bench(args) -> None:
             ("kvconnector memory", connector(extra), False, True, None),
         ]
         if args.redis_url:
-            with_redis = connector({**extra, "redis_url": args.redis_url,
-                                    "redis_prefer_socket": False})
+            with_redis = connector({**extra, "redis_url": args.redis_url})
             chunks = sum(len(q) // 256 for group in prompts.values() for q in group)
             stored = in_fresh_process(fill_redis, model, args, with_redis, prompts, chunks)
             if stored < chunks:

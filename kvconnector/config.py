@@ -68,9 +68,6 @@ class ConnectorConfig:
         "out of vLLM's logs, which print this config).", **_PATH)
     redis_password_file: str | None = setting(
         None, "text", "A file holding the Redis password (for mounted secrets).", **_PATH)
-    redis_prefer_socket: bool = setting(
-        True, "bool", "A redis:// URL naming this host's loopback is reached over the "
-        "server's unix socket if it has one this process can use (asked at start-up).")
     sync_fetch_max_mib: int = setting(
         64, "int", "A request alone in the engine loads up to this many MiB from the disk or "
         "Redis before its own step's forward instead of waiting a step for them (a request "

@@ -55,8 +55,7 @@ def open_redis(config: ConnectorConfig, *, for_lookups: bool = False) -> RedisSt
     if secret is not None:
         kw["mac_key"] = codec.mac_key(secret)
     return RedisStore.from_url(config.redis_url, key_prefix=config.redis_key_prefix,
-                               ttl_s=config.redis_ttl_s,
-                               prefer_socket=config.redis_prefer_socket, **kw)
+                               ttl_s=config.redis_ttl_s, **kw)
 
 
 def open_disk(config: ConnectorConfig, capacity: int, pool: SlotPool, layout_name: str,

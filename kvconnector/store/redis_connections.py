@@ -31,7 +31,6 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvconnector.store import redis_socket
 from kvconnector.store.redis_backoff import Backoff
 from kvconnector.store.redis_wire import Timeout, Wire, gather
 
@@ -68,7 +67,7 @@ class RedisConnections:
                  connect_timeout_s: float | None, max_connections: int,
                  backoff_initial_s: float, backoff_max_s: float, lookup_timeout_streak: int,
                  seed: int | None, count: Callable[..., None],
-                 redis_kwargs: dict[str, Any], prefer_socket: bool = False) -> None:
+                 redis_kwargs: dict[str, Any]) -> None:
         self.url = url
         self.safe_url = safe_url
         self.cluster = cluster
@@ -110,12 +109,6 @@ class RedisConnections:
                 raise ValueError(f"bad Redis URL {self.safe_url!r} ({type(e).__name__})") \
                     from None
             self.pool.connection_kwargs["protocol"] = 2  # the wire code speaks RESP2
-            path = redis_socket.socket_path(self.pool, min(timeout_s, 0.2)) \
-                if prefer_socket else None
-            if path is not None:
-                self.pool = redis_socket.socket_pool(self.pool, path)
-                logger.info("kvconnector: the Redis at %s is reached over its unix socket "
-                            "%s (redis_prefer_socket)", self.safe_url, path)
 
     def _new_backoff(self) -> Backoff:
         return Backoff(*self._backoff_s, self._rng)

@@ -89,8 +89,7 @@ class RedisStore:
                  cluster: bool = False, max_connections: int = 8,
                  backoff_initial_s: float = 0.5, backoff_max_s: float = 30.0,
                  lookup_timeout_streak: int = 3, seed: int | None = None,
-                 mac_key: bytes | None = None, prefer_socket: bool = False,
-                 **redis_kwargs: Any) -> None:
+                 mac_key: bytes | None = None, **redis_kwargs: Any) -> None:
         url, cluster = checked_url(url, cluster)
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError("ttl_s must be positive (or None for no expiry)")
@@ -116,26 +115,27 @@ class RedisStore:
             backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
             lookup_timeout_streak=lookup_timeout_streak, seed=seed,
             count=lambda **deltas: (s := ref()) is not None and s._count(**deltas),
-            redis_kwargs=redis_kwargs, prefer_socket=prefer_socket)
+            redis_kwargs=redis_kwargs)
         logger.info("kvconnector redis store: %s (prefix %r, cluster=%s, ttl=%s, timeout=%.3gs)",
                     self.safe_url, key_prefix, cluster, ttl_s, timeout_s)
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> RedisStore:
-        """A store for ``url``; nothing is connected until the first call (``prefer_socket``
-        aside). ``key_prefix``: Redis key = f"{key_prefix}:{chunk key}" (namespaces deployments).
+        """A store for ``url``; nothing is connected until the first call.
+
+        ``key_prefix``: Redis key = f"{key_prefix}:{chunk key}" (namespaces deployments).
         ``ttl_s``: expiry of stored chunks (EX, or PX for fractions), None for none.
         ``timeout_s``: socket timeout of puts and gets (no progress for that long: a fault).
-        ``connect_timeout_s``: connect timeout, default min(timeout_s, 0.5); the scheduler's
-        store should use about its lookup budget (a lookup's budget does not bound it).
+        ``connect_timeout_s``: TCP/TLS connect timeout, default min(timeout_s, 0.5). A
+        lookup's budget does not bound a connect, so the scheduler's store should use
+        about its lookup budget here (a connect is needed only at start and after faults).
         ``cluster``: Redis Cluster (also chosen by redis+cluster:// or rediss+cluster://).
-        ``max_connections``: concurrent calls (connections per server); a call finding none
-        free within its time counts as ``busy``, a miss.
-        ``backoff_initial_s``/``backoff_max_s``: the backoff after a fault (jitter +-20%);
-        ``lookup_timeout_streak``: lookups over budget in a row that are one.
-        ``mac_key``: ``codec.mac_key(secret)``; values read must carry a valid MAC (writers
-        sign with ``codec.encode_header(..., mac_key=store.mac_key)``).
-        ``prefer_socket``: over the unix socket of a Redis on this host (``redis_socket.py``).
+        ``max_connections``: concurrent calls (and connections per server); a call that
+        finds none free within its time counts as ``busy`` and is a miss.
+        ``backoff_initial_s``/``backoff_max_s``: the backoff after a fault (jitter +-20%).
+        ``lookup_timeout_streak``: lookups over budget in a row that count as a fault.
+        ``mac_key``: ``codec.mac_key(secret)``; values read must carry a valid MAC (the
+        writer signs them with ``codec.encode_header(..., mac_key=store.mac_key)``).
         Other keyword arguments go to redis-py's connection pool (e.g. ``ssl_ca_certs``).
         """
         return cls(url, **kwargs)

@@ -33,8 +33,8 @@ def redis_server():
 
 def test_second_engine_serves_first_engines_chunks(tiny_model, tmp_path_factory, baseline,
                                                    redis_server):
-    """The first engine writes over TCP, the second reads over the server's unix socket
-    (the faster way to a Redis on the same host: docs/benchmarks.md section 15)."""
+    """The first engine writes over TCP, the second reads over the server's unix socket:
+    one Redis, two ways to it (docs/benchmarks.md sections 15 and 17 measure both)."""
     extra = {"memory_capacity": "64MiB", "redis_url": redis_server.url,
              "redis_key_prefix": "e2e"}
     first = run_engine(tmp_path_factory.mktemp("redis-a"), {

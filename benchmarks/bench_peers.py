@@ -28,7 +28,8 @@ and then fails to load it (a shape mismatch that stops the engine, seen at 8192 
 vLLM's own prefix cache is off for every connector, so each hit is the connector's. TTFT is
 the latency of a one-token generation of one request; per length the median over
 ``--repeats`` distinct prompts and ``--rounds`` engines a configuration (engines of one
-configuration differ by 10-30% on this machine; the rounds take turns); every engine runs
+configuration differ by 10-30% on this machine; the rounds take turns; each engine's own
+median and phase timers are kept too, ``per_engine``); every engine runs
 with vLLM's stats on, which carry kvconnector's phase timers (its breakdown of each hit is
 printed); every engine pauses for 0.3 s and serves a 16-token request just before and after
 each timed hit (which flushes the timers), so every hit follows the same sequence. After

@@ -18,6 +18,9 @@ Every configuration runs in its own fresh process, on the same prompts, one afte
 * ``kvconnector disk``: a second engine, with an empty memory tier, loads what a first
   engine wrote to its disk tier (a directory under the repository's ``.cache``), the files'
   pages dropped from the page cache before it starts (reads are O_DIRECT by default);
+* with ``--floors``, two more floors: vLLM's own prefix-cache hit with a connector attached
+  that does nothing (``idle_connector.py``: what vLLM's connector machinery alone costs a
+  hit), and with kvconnector attached (its hit is still vLLM's own; kvconnector's hooks run);
 * with ``--parked``, the Redis and disk hits again with ``sync_fetch_max_mib: 0``: parked in
   WAITING_FOR_REMOTE_KVS for a step like any other request's, not fetched before the lone
   request's own step (the default).
@@ -42,10 +45,12 @@ cache on, as they expect); the report records what they do on this machine.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 from common import (
     add_model_args,
@@ -201,6 +206,8 @@ def main() -> None:
                    help="fresh engines per configuration, taking turns (each round starts "
                         "one configuration later); a TTFT is the median over all of them")
     p.add_argument("--check-tokens", type=int, default=16)
+    p.add_argument("--floors", action="store_true",
+                   help="also vLLM's own hit with an idle connector and with kvconnector attached")
     p.add_argument("--parked", action="store_true",
                    help="also measure Redis and disk hits parked a step (sync_fetch_max_mib 0)")
     with redis_for(p.parse_args()) as args:
@@ -228,6 +235,15 @@ def bench(args) -> None:
              False, True, None),
             ("kvconnector memory", connector(extra), False, True, None),
         ]
+        if args.floors:
+            # vLLM's engine processes import the idle connector by module name.
+            here = str(Path(__file__).resolve().parent)
+            os.environ["PYTHONPATH"] = os.pathsep.join(
+                p for p in (here, os.environ.get("PYTHONPATH")) if p)
+            configs += [(f"{FLOOR}, idle connector",
+                         {"kv_connector": "IdleConnector", "kv_role": "kv_both",
+                          "kv_connector_module_path": "idle_connector"}, True, True, None),
+                        (f"{FLOOR}, kvconnector", connector(extra), True, True, None)]
         if args.redis_url:
             with_redis = connector({**extra, "redis_url": args.redis_url})
             chunks = sum(len(q) // 256 for group in prompts.values() for q in group)

@@ -77,6 +77,7 @@ def test_gather_equals_reference(family, dtype, chunks):
 def test_layers_of_one_buffer_move_in_one_copy_per_run():
     layers, layout = _setup("cpu-pages", torch.float32)
     assert PagedCopier(layers, layout)._stack is not None
+    assert PagedCopier(layers, layout)._pages is not None  # whole pages: views of rank 3-4
     separate = [t.clone() for t in layers]  # not one buffer: one copy per layer and run
     copier = PagedCopier(separate, layout)
     assert copier._stack is None

@@ -89,6 +89,26 @@ def _stacked(layers: Sequence[torch.Tensor], layout: LayerLayout) -> torch.Tenso
                             first.storage_offset())
 
 
+def _pages(stack: torch.Tensor | None, layout: LayerLayout) -> torch.Tensor | None:
+    """CPU pages of all layers as ``[L, blocks, page]`` (a layer's block is one run of
+    ``page`` elements), if ``stack`` holds them so; else None."""
+    if stack is None or layout.family != "cpu-pages":
+        return None
+    layers, k, blocks, n, h, d = stack.shape
+    if k != 1 or n != 1 or stack.stride(5) != 1 or stack.stride(4) != d:
+        return None
+    return torch.as_strided(stack, (layers, blocks, h * d), (stack.stride(0), stack.stride(2), 1),
+                            stack.storage_offset())
+
+
+def _slot_pages(pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor | None:
+    """The pool ``[slots, L, 1, blocks per chunk, H, D]`` as ``[slots, L, blocks per chunk,
+    page]``, if it is contiguous (so the view writes into it); else None."""
+    if not pool.is_contiguous() or pool.shape[1] != pages.shape[0]:
+        return None
+    return pool.view(pool.shape[0], pool.shape[1], -1, pages.shape[2])
+
+
 class PagedCopier:
     """Copies runs between a pool ``[slots, L, K, tokens, H, D]`` and host KV layers."""
 
@@ -97,6 +117,7 @@ class PagedCopier:
         self.layout = layout
         self.layers = list(layers)
         self._stack = _stacked(self.layers, layout)
+        self._pages = _pages(self._stack, layout)
         self._views = [layout.view(t) for t in self.layers]
         self._helper: ThreadPoolExecutor | None = None
         if helper_cores and torch.get_num_threads() == 1:
@@ -104,6 +125,10 @@ class PagedCopier:
 
     def _pairs(self, pool: torch.Tensor, runs: Sequence[Run]
                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if self._pages is not None:
+            pages = _slot_pages(pool, self._pages)
+            if pages is not None:
+                return self._page_pairs(pages, runs)
         k, _, n, h, d = self.layout.sizes
         paged: list[torch.Tensor] = []
         chunk: list[torch.Tensor] = []
@@ -116,6 +141,26 @@ class PagedCopier:
                 paged.append(stack[:, :, r.block:r.block + m * c].view(layers, k, m, c, n, h, d))
                 src = pool[r.slot:r.slot + m, lo:lo + layers, :, r.first * n:(r.first + c) * n]
                 chunk.append(src.view(m, layers, k, c, n, h, d).permute(1, 2, 0, 3, 4, 5, 6))
+        return paged, chunk
+
+    def _page_pairs(self, pool: torch.Tensor, runs: Sequence[Run]
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``_pairs`` for whole pages: views of rank 3 or 4 instead of 7. vLLM often hands a
+        request its blocks in descending order, so every block is a run of its own, and
+        building the 7-dimensional views took as long as copying a tiny model's pages."""
+        assert self._pages is not None
+        layers = self._pages.shape[0]
+        paged: list[torch.Tensor] = []
+        chunk: list[torch.Tensor] = []
+        for r in runs:
+            m, c = r.slots, r.count
+            dst = self._pages[:, r.block:r.block + m * c]
+            if m == 1:
+                paged.append(dst)
+                chunk.append(pool[r.slot, :, r.first:r.first + c])
+            else:
+                paged.append(dst.view(layers, m, c, -1))
+                chunk.append(pool[r.slot:r.slot + m, :, r.first:r.first + c].transpose(0, 1))
         return paged, chunk
 
     def _check(self, pool: torch.Tensor, runs: Sequence[Run]) -> None:

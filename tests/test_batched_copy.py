@@ -133,3 +133,15 @@ def test_a_load_split_with_a_helper_thread_moves_the_same_bytes(num_layers, one_
         torch.set_num_threads(threads)
     if threads > 1:  # torch spreads each copy over the compute threads itself
         assert PagedCopier(got, layout, helper_cores=cores)._helper is None
+
+
+def test_a_pool_the_page_views_do_not_fit_takes_the_general_path():
+    """Whole-page views need a contiguous pool; any other pool still moves the right bytes."""
+    want, layout = _setup("cpu-pages", torch.float32)
+    got, _ = _setup("cpu-pages", torch.float32)
+    wide = _pool(want, layout).repeat(1, 1, 1, 1, 1, 2)  # every page twice as wide
+    pool = wide[..., :wide.shape[-1] // 2]
+    assert not pool.is_contiguous()
+    reference.scatter(pool[[s for s, _ in CHUNKS]], layout, _ids(CHUNKS), want)
+    PagedCopier(got, layout).scatter(pool, block_runs(CHUNKS))
+    assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))

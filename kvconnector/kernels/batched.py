@@ -104,7 +104,8 @@ def _pages(stack: torch.Tensor | None, layout: LayerLayout) -> torch.Tensor | No
 def _slot_pages(pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor | None:
     """The pool ``[slots, L, 1, blocks per chunk, H, D]`` as ``[slots, L, blocks per chunk,
     page]``, if it is contiguous (so the view writes into it); else None."""
-    if not pool.is_contiguous() or pool.shape[1] != pages.shape[0]:
+    if (not pool.is_contiguous() or pool.dim() != 6 or pool.shape[1] != pages.shape[0]
+            or pool.shape[2] != 1 or pool.shape[4] * pool.shape[5] != pages.shape[2]):
         return None
     return pool.view(pool.shape[0], pool.shape[1], -1, pages.shape[2])
 

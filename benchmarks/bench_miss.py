@@ -5,6 +5,7 @@ where the connector's time went (its own phase timers), length by length.
     python benchmarks/bench_miss.py                  # tiny Mistral, 1k-16k tokens, all tiers
     python benchmarks/bench_miss.py --model .cache/smollm2 --dtype bfloat16 --lengths 1024,4096,8000
     python benchmarks/bench_miss.py --no-redis --buffered-disk   # disk writes direct or buffered
+    python benchmarks/bench_miss.py --no-disk --redis-anywhere   # where redis-server runs
 
 Each engine runs in its own fresh process; the configurations take turns (``--rounds``
 times each, in a rotated order every round) to spread this machine's noise over all of
@@ -23,6 +24,7 @@ import random
 import statistics
 import tempfile
 import time
+from contextlib import ExitStack
 
 from common import (
     ROOT,
@@ -31,6 +33,7 @@ from common import (
     connector_seconds,
     engine,
     in_fresh_process,
+    local_redis,
     pyplot,
     random_prompt,
     redis_for,
@@ -81,7 +84,13 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=3, help="distinct prompts per length")
     p.add_argument("--rounds", type=int, default=2, help="engines per configuration")
     p.add_argument("--plot", default=None)
-    with redis_for(p.parse_args()) as args:
+    p.add_argument("--redis-anywhere", action="store_true",
+                   help="also a second local redis-server left wherever the kernel puts it "
+                        "(--redis-cpus any), as its own configuration in the same run")
+    with redis_for(p.parse_args()) as args, ExitStack() as stack:
+        args.redis_anywhere_url = None
+        if args.redis and args.redis_anywhere:
+            args.redis_anywhere_url = stack.enter_context(local_redis("any")).url
         (ROOT / ".cache").mkdir(exist_ok=True)
         with tempfile.TemporaryDirectory(dir=ROOT / ".cache", prefix="bench-miss-disk-") as d:
             bench(args, d if args.disk else None)
@@ -96,6 +105,9 @@ def bench(args, disk_path: str | None) -> None:
     configs: dict[str, dict | None] = {ALONE: None, "memory": connector(extra)}
     if args.redis_url:
         configs["memory + Redis"] = connector({**extra, "redis_url": args.redis_url})
+    if args.redis_anywhere_url:
+        configs["memory + Redis, server anywhere"] = connector(
+            {**extra, "redis_url": args.redis_anywhere_url})
     if disk_path is not None:
         configs["memory + disk"] = connector({**extra, "disk_path": disk_path})
         if args.buffered_disk:
@@ -132,7 +144,8 @@ def bench(args, disk_path: str | None) -> None:
                 f"{k} {v * 1000:.1f} ms ({v / total * 100:.1f}%)" for k, v in parts[:6]))
     out = write_results(args.out, "miss", {
         "model": model, "dtype": args.dtype, "lengths": lengths, "prompts": args.prompts,
-        "rounds": args.rounds, "order": order, "ttft_s": ttft, "median_s": med,
+        "rounds": args.rounds, "order": order,
+        "redis_cpus": getattr(args, "redis_cpus_used", None), "ttft_s": ttft, "median_s": med,
         "ratio": ratio, "per_engine_median_s": rounds, "connector_seconds": phases})
     print(f"results: {out}")
     plt = pyplot()

@@ -13,8 +13,13 @@ Every configuration runs in its own fresh process, on the same prompts, one afte
 * ``kvconnector memory``: the second request of a prompt loads it from host memory;
 * ``kvconnector redis``: a second engine, with an empty memory tier, loads what a first
   engine wrote to a local redis-server (over TCP on loopback);
-* ``kvconnector redis, unix socket``: the same, with another fresh engine reading the same
-  chunks over the server's unix socket (only with the server this script starts);
+* ``kvconnector redis, server anywhere`` (``--redis-anywhere``): the same from a second
+  local redis-server left wherever the kernel puts it; the first runs where
+  ``--redis-cpus`` says (by default on the core vLLM's worker leaves to its engine-core
+  process, where a one-machine deployment should put it);
+* ``kvconnector redis, unix socket`` (``--unix-socket``): the same, with another fresh
+  engine reading the same chunks over the first server's unix socket (only with the server
+  this script starts);
 * ``kvconnector disk``: a second engine, with an empty memory tier, loads what a first
   engine wrote to its disk tier (a directory under the repository's ``.cache``), the files'
   pages dropped from the page cache before it starts (reads are O_DIRECT by default);
@@ -58,6 +63,7 @@ from common import (
     connector_seconds,
     engine,
     in_fresh_process,
+    local_redis,
     pyplot,
     random_prompt,
     redis_for,
@@ -129,7 +135,7 @@ def fill_redis(model: str, args, kvt: dict, prompts: dict[int, list[list[int]]],
         for group in prompts.values():
             for p in group:
                 timed_generate(llm, [p], 1)
-        client = redis.Redis.from_url(args.redis_url)
+        client = redis.Redis.from_url(kvt["kv_connector_extra_config"]["redis_url"])
         deadline = time.monotonic() + 120
         while client.dbsize() < chunks and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -210,6 +216,10 @@ def main() -> None:
                    help="also vLLM's own hit with an idle connector and with kvconnector attached")
     p.add_argument("--parked", action="store_true",
                    help="also measure Redis and disk hits parked a step (sync_fetch_max_mib 0)")
+    p.add_argument("--unix-socket", action="store_true",
+                   help="also the Redis hit over the server's unix socket")
+    p.add_argument("--redis-anywhere", action="store_true",
+                   help="also the Redis hit from a second local redis-server on any core")
     with redis_for(p.parse_args()) as args:
         bench(args)
 
@@ -251,7 +261,13 @@ def bench(args) -> None:
             if stored < chunks:
                 print(f"warning: Redis holds {stored} of {chunks} chunks")
             configs.append(("kvconnector redis", with_redis, False, False, None))
-            if args.redis_unix_url:  # the same chunks, read over the server's unix socket
+            if args.redis_anywhere:
+                url = stack.enter_context(local_redis("any")).url
+                anywhere = connector({**extra, "redis_url": url})
+                in_fresh_process(fill_redis, model, args, anywhere, prompts, chunks)
+                configs.append(("kvconnector redis, server anywhere", anywhere, False, False,
+                                None))
+            if args.unix_socket and args.redis_unix_url:  # the same chunks, over the socket
                 configs.append(("kvconnector redis, unix socket",
                                 connector({**extra, "redis_url": args.redis_unix_url}),
                                 False, False, None))
@@ -355,6 +371,8 @@ def report(args, model: str, lengths: list[int], runs: dict, refused: dict) -> N
     out = write_results(args.out, "peers", {"model": model, "dtype": args.dtype,
                                             "lengths": lengths, "repeats": args.repeats,
                                             "rounds": args.rounds,
+                                            "redis_cpus": getattr(args, "redis_cpus_used",
+                                                                  None),
                                             "results": table, "refused": refused,
                                             "connector_seconds_per_hit": {
                                                 name: r.get("phases", {})

@@ -39,6 +39,11 @@ def add_model_args(p) -> None:
     p.add_argument("--redis-url", default=None, help="also measure a Redis tier")
     p.add_argument("--redis", action="store_true",
                    help="start a local redis-server (tests/redis_server.py) for the Redis tier")
+    p.add_argument("--redis-cpus", default="reserved",
+                   help="cores for that redis-server: 'reserved' (default: those vLLM's CPU "
+                        "worker leaves to its engine-core process, as a one-machine "
+                        "deployment should place it), 'any' (wherever the kernel puts it), "
+                        "or a list such as 1,3")
     p.add_argument("--out", type=Path, default=None, help="JSON results file")
 
 
@@ -66,15 +71,43 @@ def redis_for(args):
     if not args.redis:
         yield args
         return
-    import sys
+    with local_redis(args.redis_cpus) as server:
+        args.redis_url = server.url
+        args.redis_unix_url = server.unix_url
+        args.redis_cpus_used = sorted(os.sched_getaffinity(server.proc.pid))
+        yield args
 
-    sys.path.insert(0, str(ROOT))
+
+@contextmanager
+def local_redis(cpus: str):
+    """A redis-server of tests/redis_server.py (with a unix socket) on the cores ``cpus``
+    names (``redis_cpus``)."""
     from tests.redis_server import RedisServer
 
     with RedisServer(unixsocket=True) as server:
-        args.redis_url = server.url
-        args.redis_unix_url = server.unix_url
-        yield args
+        if chosen := redis_cpus(cpus):
+            for task in os.listdir(f"/proc/{server.proc.pid}/task"):  # its threads too
+                os.sched_setaffinity(int(task), chosen)
+        yield server
+
+
+def redis_cpus(spec: str) -> set[int]:
+    """The cores ``--redis-cpus`` names; empty for 'any'. 'reserved': the last
+    ``VLLM_CPU_NUM_OF_RESERVED_CPU`` cores this process may use, which vLLM's CPU worker
+    leaves to its engine-core process (one worker per engine, as in these benchmarks). On a
+    machine as small as these VMs the compute core is otherwise shared: the kernel put a
+    redis-server beside the forward pass while the engine-core process spun on the other."""
+    if spec == "any":
+        return set()
+    if spec == "reserved":
+        cores = sorted(os.sched_getaffinity(0))
+        n = int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"))
+        return set(cores[-n:]) if 0 < n < len(cores) else set()
+    try:
+        return {int(c) for c in spec.split(",")}
+    except ValueError:
+        raise SystemExit(f"--redis-cpus: expected 'reserved', 'any' or core numbers such "
+                         f"as 1,3, got {spec!r}") from None
 
 
 def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:

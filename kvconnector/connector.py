@@ -134,7 +134,9 @@ class KVConnector(KVConnectorBase_V1):
             self.worker.blend.start(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        loads = self.worker.layer_loads
+        if loads is not None:
+            loads.wait(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
@@ -142,6 +144,7 @@ class KVConnector(KVConnectorBase_V1):
 
     @_timed
     def wait_for_save(self) -> None:
+        self.worker.finish_layer_loads()
         plan = self._plan()
         if plan.saves:
             self.worker.save(plan.saves)
@@ -160,6 +163,7 @@ class KVConnector(KVConnectorBase_V1):
 
     @_timed
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self.worker.finish_layer_loads()
         return self.worker.take_load_errors()
 
     @_timed

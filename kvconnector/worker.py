@@ -17,6 +17,7 @@ from kvconnector.background import CopyThread
 from kvconnector.blend.worker import BlendWorker
 from kvconnector.config import ConnectorConfig
 from kvconnector.kernels.batched import PagedCopier, block_runs
+from kvconnector.layer_loads import LayerLoads
 from kvconnector.layout import LayerLayout, LayoutError, describe_layers
 from kvconnector.ledger import Ledger
 from kvconnector.metadata import IDLE_WAIT_S, ChunkTransfer, StepPlan, WorkerReport
@@ -68,6 +69,7 @@ class WorkerHalf:
         self._disk_tap = DiskTap()
         self._host_transfer: HostTransfer | None = None
         self._copier: PagedCopier | None = None
+        self.layer_loads: LayerLoads | None = None
         self.copies = CopyThread()
         self._busy_reported: dict[str, float] = {}  # thread -> busy seconds reported
         self._device_lock = threading.Lock()  # HostTransfer's staging buffer is shared
@@ -119,6 +121,11 @@ class WorkerHalf:
         tiers = [t for t in (self.disk_tier, self.redis_tier) if t is not None]
         self.store = WorkerStore(self.pool, tiers, self.fingerprint, self.tp_rank,
                                  self.ledger, stream)
+        if self._copier is not None and self.redis_tier is not None and \
+                self.config.load_by_layer:
+            self.layer_loads = LayerLoads(self.layer_names, self._copier, self.store,
+                                          self.redis_tier, self.ledger, self._kernel_ids,
+                                          self.spec.block_size, self._spare_cores)
         if self.blend is not None:
             self.blend.attach(self.layers, self.layout, self.store)
         logger.info("kvconnector worker rank %d: %d layers, layout %s %s",
@@ -136,12 +143,23 @@ class WorkerHalf:
         found only on disk or in Redis (for a request alone in the engine) fetched first."""
         try:
             self.copies.wait_for_slots(t.slot for t in plan.loads)
+            if self.layer_loads is not None and self.layer_loads.enabled and any(
+                    t.source == "redis" and t.slot >= 0 and not t.blocks for t in plan.loads):
+                self.layer_loads.start(plan.loads)  # the forward waits layer by layer
+                return
             self._fetch(plan.loads)
             self._load_chunks(plan.loads, on_copy_thread=False)
         except Exception:  # never the request, never the engine: a recompute
             logger.exception("kvconnector: loading %d chunks failed", len(plan.loads))
             for t in plan.loads:
                 self._load_failed(t, "error")
+
+    def finish_layer_loads(self) -> None:
+        """The end of this step's layer-by-layer load, before anything reads its blocks or
+        its failures are reported."""
+        if self.layer_loads is not None:
+            for t, reason in self.layer_loads.finish():
+                self._load_failed(t, reason)
 
     def start_async_loads(self, plan: StepPlan) -> None:
         """One copy-thread job per parked request: fetch from Redis, then fill its blocks."""
@@ -342,6 +360,8 @@ class WorkerHalf:
         for tier in (self.disk_tier, self.redis_tier):
             if tier is not None:
                 tier.close(max(0.0, deadline - time.monotonic()))
+        if self.layer_loads is not None:
+            self.layer_loads.close()
         if self._copier is not None:
             self._copier.close()
 

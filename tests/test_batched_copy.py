@@ -145,3 +145,25 @@ def test_a_pool_the_page_views_do_not_fit_takes_the_general_path():
     reference.scatter(pool[[s for s, _ in CHUNKS]], layout, _ids(CHUNKS), want)
     PagedCopier(got, layout).scatter(pool, block_runs(CHUNKS))
     assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layer_scatter_copies_only_the_layers_asked_and_in_groups_equals_scatter(family):
+    """A layer-by-layer load (layer_loads.py) copies a few layers at a time."""
+    def setup():
+        case = make_case(family, num_layers=3, num_blocks=12, seed=1)
+        return case.layers, describe_layers({f"l{i}": t for i, t in enumerate(case.layers)},
+                                            **case.describe_kw)
+    want, layout = setup()
+    got, _ = setup()
+    before = [t.clone() for t in got]
+    pool = _pool(want, layout)
+    PagedCopier(want, layout).scatter(pool, block_runs(CHUNKS))
+    copy = PagedCopier(got, layout).layer_scatter(pool, block_runs(CHUNKS))
+    copy(1, 2)
+    assert torch.equal(got[1], want[1])
+    assert torch.equal(got[0], before[0]) and torch.equal(got[2], before[2])
+    copy(0, 1)
+    copy(2, 3)
+    for w, g in zip(want, got, strict=True):
+        assert torch.equal(w, g)

@@ -51,8 +51,10 @@ def test_second_engine_serves_first_engines_chunks(tiny_model, tmp_path_factory,
     assert second[2] == {"external_unspecified": P1_HIT}  # vLLM's label for a remote store
     assert out["cached"] == P1_HIT  # the partial chunk is in Redis too
     assert totals["redis_loaded_chunks"] == 3 and totals["load_errors"] == 0
-    # the hit's breakdown (issue 24): the fetch, then the copy into vLLM's blocks
+    # the hit's breakdown (issue 24): the fetch, the copy into vLLM's blocks, and how long
+    # the forward waited for its layers (the hit was read layer by layer during it)
     assert totals["phase_seconds.redis_fetch"] > 0 and totals["phase_seconds.load_copy"] > 0
+    assert totals["layer_loads"] == 1 and "phase_seconds.layer_wait" in totals
     assert first[0][0]["tokens"] == baseline[0]
     assert out["tokens"] == baseline[0]
 
@@ -176,3 +178,32 @@ def test_a_chunk_on_its_way_from_redis_is_not_read_before_it_arrives(tiny_model,
     outs, totals = res[1]["outputs"][0], res[1]["totals"]
     assert [o["cached"] for o in outs] == [P1_HIT] * 3, outs
     assert totals["load_errors"] == 0 and totals["redis_loaded_chunks"] >= 3, totals
+
+
+def test_a_value_damaged_in_its_last_layer_is_caught_after_a_layer_by_layer_load(
+        tiny_model, tmp_path_factory, baseline, redis_server):
+    """A lone request's Redis hit is read layer by layer while its forward runs, before its
+    checksum can be checked: bytes damaged in a value's last layer are used by that forward,
+    caught before the step ends, and vLLM recomputes the chunk's blocks and drops the step's
+    token. The answer is the baseline's; the same load whole before the forward too."""
+    extra = {"memory_capacity": "64MiB", "redis_url": redis_server.url,
+             "redis_key_prefix": "damaged-late"}
+    first = run_engine(tmp_path_factory.mktemp("damaged-late-a"), {
+        "model": tiny_model, "connector": extra, "steps": [
+            {"op": "generate", "prompts": [P2]}, {"op": "flush"},
+            {"op": "redis_keys", "prompts": [P2]}]})
+    key = first[2][0][1]  # P2's second chunk
+    client = redis_server.client()
+    good = client.get(key)
+    runs = {}
+    for by_layer in (True, False):
+        client.set(key, good[:-3] + bytes([good[-3] ^ 0xFF]) + good[-2:])
+        runs[by_layer] = run_engine(tmp_path_factory.mktemp("damaged-late-b"), {
+            "model": tiny_model, "connector": {**extra, "load_by_layer": by_layer},
+            "steps": [{"op": "generate", "prompts": [P2]}, {"op": "totals"},
+                      {"op": "redis_stats"}]})
+    for by_layer, (outs, totals, stats) in runs.items():
+        assert outs[0]["tokens"] == baseline[1], by_layer
+        assert totals["load_errors"] == 1 and totals["redis_loaded_chunks"] == 1, totals
+        assert stats["corrupt_reasons"] == {"checksum": 1}, stats
+        assert totals.get("layer_loads", 0) == (1 if by_layer else 0), totals

@@ -18,7 +18,7 @@ over them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -190,6 +190,18 @@ class PagedCopier:
         finally:
             other.result()  # its error, if any, is the load's
 
+    def layer_scatter(self, pool: torch.Tensor, runs: Sequence[Run]
+                      ) -> Callable[[int, int], None]:
+        """``scatter`` a few layers at a time, on the calling thread: the function returned
+        copies layers ``first``..``last - 1`` of every run."""
+        self._check(pool, runs)
+        paged, chunk = self._pairs(pool, runs)
+        n = len(self.layers)
+
+        def copy(first: int, last: int) -> None:
+            _copy_all(_layers(paged, first, last, n), _layers(chunk, first, last, n))
+        return copy
+
     def close(self) -> None:
         if self._helper is not None:
             self._helper.shutdown(wait=False)
@@ -208,6 +220,16 @@ def _halves(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch
         return tensors[:mid], tensors[mid:]
     return ([t[:t.shape[0] // 2] for t in tensors if t.shape[0] > 1],
             [t[t.shape[0] // 2:] for t in tensors])
+
+
+def _layers(tensors: list[torch.Tensor], first: int, last: int,
+            num_layers: int) -> list[torch.Tensor]:
+    """Layers ``first``..``last - 1`` of the copies: per-layer views (layer-major, a run
+    each) by list, stacked ones by dim 0."""
+    if num_layers > 1 and all(t.shape[0] == 1 for t in tensors):
+        per = len(tensors) // num_layers
+        return tensors[first * per:last * per]
+    return [t[first:last] for t in tensors]
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

@@ -1,0 +1,237 @@
+"""A step's load from Redis, a few layers at a time on a loader thread while the forward
+pass runs: vLLM calls ``wait_for_layer_load`` before each attention layer, and only that
+layer has to be in place by then (CPU build).
+
+Before this, a Redis hit fetched every chunk whole and copied it in before the forward
+started: on the 2-core machine of docs/benchmarks.md the forward of a 2048-token SmolLM2
+hit waited ~30 ms for 45 MiB, most of it redis-server's own copying on the other core.
+Here the loader reads each chunk's header, then, layer group by layer group, that group's
+bytes of every chunk (``store/redis_ranges.py``) and copies them into the paged KV; the
+forward waits only for the layers it reaches first. The loader runs on the core vLLM
+leaves to its engine-core process, where redis-server should run too (docs/operations.md).
+
+The bytes are used before they are verified: each chunk's checksum (or MAC) is checked once
+all of it is in, before the step ends. A chunk that fails, or that stops arriving, has its
+blocks reported as failed and vLLM recomputes them and drops the step's token for that
+request: the same as a synchronous load that fails before the forward. A layer whose
+``wait_for_layer_load`` never came may have been read before it was written: then the whole
+load is reported failed and loads go back to whole chunks before the forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+from kvconnector import threads
+from kvconnector.kernels.batched import PagedCopier, block_runs
+from kvconnector.ledger import Ledger
+from kvconnector.metadata import ChunkTransfer
+from kvconnector.store import ChunkCorrupt
+from kvconnector.store.redis_ranges import Head, check_payloads, read_heads, read_ranges
+from kvconnector.store.tiering import RedisTier
+from kvconnector.worker_store import WorkerStore
+
+logger = logging.getLogger("kvconnector.layer_loads")
+
+# Layer groups per load: the forward waits for the first one; each is one round trip.
+GROUPS = 10
+
+Failure = tuple[ChunkTransfer, str]
+
+
+def layer_groups(num_layers: int, groups: int = GROUPS) -> list[tuple[int, int]]:
+    size = max(1, -(-num_layers // groups))
+    return [(k, min(num_layers, k + size)) for k in range(0, num_layers, size)]
+
+
+class LayerLoads:
+    def __init__(self, layer_names: Sequence[str], copier: PagedCopier, store: WorkerStore,
+                 redis: RedisTier, ledger: Ledger, kernel_ids: Callable[[list[int]], list[int]],
+                 block_size: int, cores: set[int]) -> None:
+        self._index = {name: i for i, name in enumerate(layer_names)}
+        self._num_layers = len(layer_names)
+        self._copier = copier
+        self._store = store
+        self._redis = redis
+        self._ledger = ledger
+        self._kernel_ids = kernel_ids
+        self._block_size = block_size
+        self._deadline = 0.0
+        self._thread = threads.pool("kvconnector-layer-loads", cores)
+        self._ready: list[threading.Event] = []
+        self._waited: set[int] = set()
+        self._job: Future[list[Failure]] | None = None
+        self._transfers: list[ChunkTransfer] = []
+        self._wait_s = 0.0
+        self.enabled = True
+
+    def start(self, transfers: list[ChunkTransfer]) -> None:
+        self._ready = [threading.Event() for _ in range(self._num_layers)]
+        self._waited = set()
+        self._transfers = transfers
+        self._wait_s = 0.0
+        self._job = self._thread.submit(self._load, transfers, self._ready)
+
+    def wait(self, layer_name: str) -> None:
+        if self._job is None:
+            return
+        i = self._index.get(layer_name)
+        if i is None:
+            return
+        self._waited.add(i)
+        ready = self._ready[i]
+        if not ready.is_set():
+            start = time.perf_counter()
+            ready.wait()
+            self._wait_s += time.perf_counter() - start
+
+    def finish(self) -> list[Failure]:
+        """Wait for the load to end; the transfers that failed, and why."""
+        job, self._job = self._job, None
+        if job is None:
+            return []
+        try:
+            failed = job.result()
+        except Exception:  # the loader's own fault: nothing it wrote can be trusted
+            logger.exception("kvconnector: a layer-by-layer load failed")
+            failed = [(t, "error") for t in self._transfers]
+        self._ledger.count(layer_loads=1, **{"phase_seconds.layer_wait": self._wait_s})
+        self._ledger.observe(layer_wait_seconds=self._wait_s)
+        if len(self._waited) < self._num_layers:
+            logger.warning("kvconnector: vLLM did not call wait_for_layer_load for %d of %d "
+                           "layers; the step's load is recomputed and later loads go whole "
+                           "before the forward", self._num_layers - len(self._waited),
+                           self._num_layers)
+            self.enabled = False
+            done = {id(t) for t, _ in failed}
+            failed += [(t, "layer_not_awaited") for t in self._transfers if id(t) not in done]
+        self._transfers = []
+        return failed
+
+    def close(self) -> None:
+        self.finish()
+        self._thread.shutdown(wait=False)
+
+    # ---- on the loader thread ----
+
+    def _load(self, transfers: list[ChunkTransfer], ready: list[threading.Event]
+              ) -> list[Failure]:
+        try:
+            return self._load_layers(transfers, ready)
+        finally:
+            for event in ready:  # the forward never waits on a load that has ended
+                event.set()
+
+    def _load_layers(self, transfers: list[ChunkTransfer], ready: list[threading.Event]
+                     ) -> list[Failure]:
+        start = time.perf_counter()
+        # Partial chunks and chunks from the disk come whole first: they are small or local.
+        self._store.fetch([(t.slot, t.chunk_hash, t.source, t.blocks) for t in transfers
+                           if t.source != "memory" and (t.source != "redis" or t.blocks)])
+        ranged = [t for t in transfers if t.source == "redis" and not t.blocks and t.slot >= 0]
+        slots = {t.slot for t in ranged}
+        failed: list[Failure] = []
+        ready_now: list[ChunkTransfer] = []
+        for t in transfers:
+            if t.slot in slots:
+                continue  # arriving, or riding on a chunk that is (the same chunk twice)
+            try:
+                self._store.read(t.slot, t.chunk_hash)
+                ready_now.append(t)
+            except ChunkCorrupt as e:
+                logger.warning("kvconnector: %s; its blocks will be recomputed", e)
+                failed.append((t, e.reason))
+        redis_s = time.perf_counter()
+        arriving, lost = self._heads(ranged)
+        copy_s = 0.0
+        for first, last in layer_groups(self._num_layers):
+            arriving, gone = self._ranges(arriving, first, last)
+            lost |= gone
+            if first == 0 or gone:
+                copy = self._scatter(ready_now + [t for t in transfers
+                                                  if t.slot in slots and t.slot not in lost])
+            if copy is not None:
+                copy_start = time.perf_counter()
+                copy(first, last)
+                copy_s += time.perf_counter() - copy_start
+            for i in range(first, last):
+                ready[i].set()
+        lost |= self._seal(arriving)
+        self._ledger.count(redis_loaded_chunks=len(slots - lost), redis_misses=len(lost),
+                           **{"phase_seconds.redis_fetch": time.perf_counter() - redis_s - copy_s,
+                              "phase_seconds.load_copy": copy_s})
+        failed += [(t, "redis") for t in transfers if t.slot in lost]
+        self._count_loaded(ready_now + [t for t in transfers if t.slot in slots - lost],
+                           time.perf_counter() - start)
+        return failed
+
+    def _heads(self, ranged: list[ChunkTransfer]
+               ) -> tuple[list[tuple[ChunkTransfer, Head, memoryview]], set[int]]:
+        """The chunks whose headers check out, each with its slot's bytes; the slots of
+        those that do not."""
+        self._deadline = time.monotonic() + self._redis.redis.timeout_s
+        for t in ranged:
+            self._store.pool.begin_write(t.slot)
+        keys = [self._store.key(t.chunk_hash) for t in ranged]
+        heads = read_heads(self._redis.redis, keys, [self._redis.expected(k) for k in keys],
+                           self._deadline)
+        arriving = [(t, h, self._redis.bytes.to_receive(t.slot, 0)[0])
+                    for t, h in zip(ranged, heads, strict=True) if h is not None]
+        return arriving, {t.slot for t, h in zip(ranged, heads, strict=True) if h is None}
+
+    def _ranges(self, arriving: list[tuple[ChunkTransfer, Head, memoryview]], first: int,
+                last: int) -> tuple[list[tuple[ChunkTransfer, Head, memoryview]], set[int]]:
+        """Layers ``first``..``last - 1`` of every arriving chunk; the slots that stopped."""
+        if not arriving:
+            return arriving, set()
+        starts, outs = [], []
+        for _, head, view in arriving:
+            per_layer = view.nbytes // self._num_layers
+            starts.append(head.offset + per_layer * first)
+            outs.append(view[per_layer * first:per_layer * last])
+        got = read_ranges(self._redis.redis, [self._store.key(t.chunk_hash)
+                                              for t, _, _ in arriving], starts, outs,
+                          self._deadline)
+        return ([a for a, ok in zip(arriving, got, strict=True) if ok],
+                {a[0].slot for a, ok in zip(arriving, got, strict=True) if not ok})
+
+    def _scatter(self, active: list[ChunkTransfer]) -> Callable[[int, int], None] | None:
+        if not active:
+            return None
+        runs = block_runs((t.slot, self._kernel_ids(t.block_ids)) for t in active)
+        return self._copier.layer_scatter(self._store.pool.buffer, runs)
+
+    def _seal(self, arriving: list[tuple[ChunkTransfer, Head, memoryview]]) -> set[int]:
+        """The last check of every ranged chunk; those that pass are sealed in the pool
+        (and written to the disk tier, as a whole fetch from Redis is). The slots of those
+        that fail."""
+        if not arriving:
+            return set()
+        ok = check_payloads(self._redis.redis,
+                            [self._store.key(t.chunk_hash) for t, _, _ in arriving],
+                            [h for _, h, _ in arriving], [v for _, _, v in arriving])
+        disk = self._store.tier("disk")
+        bad: set[int] = set()
+        for (t, _, _), good in zip(arriving, ok, strict=True):
+            if not good:
+                bad.add(t.slot)
+                continue
+            key = self._store.key(t.chunk_hash)
+            self._store.pool.end_write(t.slot, key, for_redis=False)
+            if disk is not None:
+                disk.offload(t.slot, key, 0)
+        return bad
+
+    def _count_loaded(self, loaded: list[ChunkTransfer], seconds: float) -> None:
+        if not loaded:
+            return
+        n_blocks = sum(b >= 0 for t in loaded for b in t.block_ids)
+        bpc = len(loaded[0].block_ids)
+        pool = self._store.pool
+        self._ledger.count(loaded_chunks=len(loaded), loaded_tokens=n_blocks * self._block_size,
+                           loaded_bytes=pool.chunk_bytes * n_blocks // bpc,
+                           load_seconds=seconds)

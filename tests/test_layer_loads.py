@@ -1,0 +1,178 @@
+"""A load from Redis layer by layer (``layer_loads.py``) against a real redis-server and the
+CPU backend's KV pages, without an engine: the layers the forward waits for must hold the
+chunks' bytes, a chunk that fails its last check must be reported (and its slot left
+unsealed), and a layer vLLM never waited for must fail the whole load."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from layouts import make_case  # noqa: E402
+from redis_server import LatencyProxy, RedisServer  # noqa: E402
+
+from kvconnector.kernels.batched import PagedCopier, block_runs  # noqa: E402
+from kvconnector.layer_loads import LayerLoads, layer_groups  # noqa: E402
+from kvconnector.layout import describe_layers  # noqa: E402
+from kvconnector.ledger import Ledger  # noqa: E402
+from kvconnector.metadata import ChunkTransfer  # noqa: E402
+from kvconnector.store import ChunkCorrupt, SlotPool  # noqa: E402
+from kvconnector.store.codec import PREFIX_LEN  # noqa: E402
+from kvconnector.store.redis_store import RedisStore  # noqa: E402
+from kvconnector.store.tiering import RedisTier  # noqa: E402
+from kvconnector.worker_store import WorkerStore  # noqa: E402
+
+LAYERS, BPC, SLOTS = 12, 2, 6
+FP = b"f" * 16
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+# (chunk hash, block ids): three whole chunks, one with its blocks reversed
+CHUNKS = [(bytes([i]) * 16, ids) for i, ids in enumerate([[0, 1], [5, 4], [2, 3]])]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RedisServer() as srv:
+        yield srv
+
+
+def _kv():
+    case = make_case("cpu-pages", num_layers=LAYERS, num_blocks=8, seed=3)
+    layout = describe_layers(dict(zip(NAMES, case.layers, strict=True)), **case.describe_kw)
+    for t in case.layers:
+        t.zero_()
+    return case.layers, layout
+
+
+class Parts:
+    """A writer's pool put every chunk in Redis; a reader's empty pool loads them."""
+
+    def __init__(self, url: str, prefix: str, reader_url: str | None = None) -> None:
+        self.layers, layout = _kv()
+        shape = (LAYERS, *layout.chunk_shape(BPC))
+        self.redis = RedisStore.from_url(url, key_prefix=prefix, timeout_s=1.0)
+        writer_pool = SlotPool(SLOTS, shape, layout.dtype, checksums=True)
+        writer_tier = RedisTier(self.redis, writer_pool, layout.family, blocks_per_chunk=BPC)
+        writer = WorkerStore(writer_pool, [writer_tier], FP, 0, Ledger())
+        gen = torch.Generator().manual_seed(5)
+        self.want = [t.clone() for t in self.layers]
+        want_copier = PagedCopier(self.want, layout)
+        for slot, (h, ids) in enumerate(CHUNKS):
+            writer.begin_write(slot).copy_(torch.randn(shape, generator=gen).to(layout.dtype))
+            writer.seal(slot, h)
+            want_copier.scatter(writer_pool.buffer, block_runs([(slot, ids)]))
+        assert writer_tier.flush(10)
+        if reader_url is not None:
+            self.redis = RedisStore.from_url(reader_url, key_prefix=prefix, timeout_s=1.0)
+        self.pool = SlotPool(SLOTS, shape, layout.dtype, checksums=True)
+        self.tier = RedisTier(self.redis, self.pool, layout.family, blocks_per_chunk=BPC)
+        self.ledger = Ledger()
+        self.store = WorkerStore(self.pool, [self.tier], FP, 0, self.ledger)
+        self.loads = LayerLoads(NAMES, PagedCopier(self.layers, layout), self.store,
+                                self.tier, self.ledger, lambda ids: ids, 16, set())
+        # the reader's slots: 3, 4, 5
+        self.transfers = [ChunkTransfer("r", i, h, 3 + i, ids, "redis")
+                          for i, (h, ids) in enumerate(CHUNKS)]
+
+    def rkey(self, i: int) -> bytes:
+        return self.redis.redis_key(self.store.key(CHUNKS[i][0]))
+
+    def forward(self, skip: int | None = None) -> list[tuple[ChunkTransfer, str]]:
+        self.loads.start(self.transfers)
+        for i, name in enumerate(NAMES):
+            if i != skip:
+                self.loads.wait(name)
+        return self.loads.finish()
+
+
+@pytest.fixture
+def parts(server, request):
+    p = Parts(server.url, request.node.name.replace("[", "_").replace("]", "_"))
+    yield p
+    p.loads.close()
+    p.redis.close()
+
+
+def test_groups_cover_every_layer_once():
+    for n in (1, 2, 9, 10, 11, 30, 64):
+        groups = layer_groups(n)
+        assert [k for a, b in groups for k in range(a, b)] == list(range(n))
+        assert len(groups) <= 10
+
+
+def test_each_layer_waited_for_holds_its_bytes_and_the_chunks_are_sealed(parts):
+    seen: list[bool] = []
+    parts.loads.start(parts.transfers)
+    for i, name in enumerate(NAMES):
+        parts.loads.wait(name)
+        # what the forward reads of layer i once its wait returns
+        seen.append(torch.equal(parts.layers[i], parts.want[i]))
+    assert parts.loads.finish() == []
+    assert all(seen)
+    for t in parts.transfers:
+        parts.store.read(t.slot, t.chunk_hash)  # sealed: a later memory hit may read it
+    totals = parts.ledger.totals.data
+    assert totals["layer_loads"] == 1 and totals["redis_loaded_chunks"] == 3
+    assert totals["loaded_chunks"] == 3 and totals["redis_misses"] == 0
+
+
+def test_a_payload_damaged_in_its_last_layer_is_reported_after_the_forward(server, parts):
+    client = server.client()
+    value = client.get(parts.rkey(1))
+    client.setrange(parts.rkey(1), len(value) - 3, bytes([value[-3] ^ 0xFF]))
+    failed = parts.forward()
+    assert [(t.index, why) for t, why in failed] == [(1, "redis")]
+    with pytest.raises(ChunkCorrupt):
+        parts.store.read(parts.transfers[1].slot, parts.transfers[1].chunk_hash)
+    for t in (parts.transfers[0], parts.transfers[2]):
+        parts.store.read(t.slot, t.chunk_hash)
+    stats = parts.redis.snapshot()
+    assert stats["corrupt_reasons"] == {"checksum": 1} and stats["corrupt_deleted"] == 1
+    assert client.exists(parts.rkey(1)) == 0
+
+
+def test_a_damaged_header_or_a_missing_value_fails_only_its_chunk(server, parts):
+    client = server.client()
+    client.setrange(parts.rkey(0), PREFIX_LEN + 4, b"\xff")
+    client.delete(parts.rkey(2))
+    failed = parts.forward()
+    assert sorted((t.index, why) for t, why in failed) == [(0, "redis"), (2, "redis")]
+    for i in range(LAYERS):
+        assert torch.equal(parts.layers[i][4:6], parts.want[i][4:6])  # chunk 1 loaded
+        assert not parts.layers[i][:4].any()  # chunks 0 and 2: nothing written
+
+
+def test_a_layer_never_waited_for_fails_the_whole_load_and_turns_it_off(parts):
+    failed = parts.forward(skip=4)
+    assert sorted((t.index, why) for t, why in failed) == [
+        (0, "layer_not_awaited"), (1, "layer_not_awaited"), (2, "layer_not_awaited")]
+    assert parts.loads.enabled is False
+
+
+def test_redis_gone_mid_load_ends_the_load_and_fails_its_chunks(server, request):
+    """The forward never waits on a Redis that went away: each layer's wait returns, every
+    chunk is reported, none is sealed, and later layers are left alone."""
+    with LatencyProxy(server.port, 0.05) as proxy:
+        p = Parts(server.url, request.node.name, reader_url=proxy.url)
+        try:
+            p.loads.start(p.transfers)
+            p.loads.wait(NAMES[0])
+            proxy.close()
+            start = time.monotonic()
+            for name in NAMES[1:]:
+                p.loads.wait(name)
+            failed = p.loads.finish()
+            assert time.monotonic() - start < 5
+        finally:
+            p.loads.close()
+            p.redis.close()
+    assert sorted(t.index for t, _ in failed) == [0, 1, 2]
+    for t in p.transfers:
+        with pytest.raises(ChunkCorrupt):
+            p.store.read(t.slot, t.chunk_hash)
+    assert not p.layers[LAYERS - 1].any()

@@ -220,6 +220,9 @@ def main() -> None:
                    help="also the Redis hit over the server's unix socket")
     p.add_argument("--redis-anywhere", action="store_true",
                    help="also the Redis hit from a second local redis-server on any core")
+    p.add_argument("--whole-loads", action="store_true",
+                   help="also the Redis hit loaded whole before the forward (load_by_layer "
+                        "false), as before section 20")
     with redis_for(p.parse_args()) as args:
         bench(args)
 
@@ -261,6 +264,10 @@ def bench(args) -> None:
             if stored < chunks:
                 print(f"warning: Redis holds {stored} of {chunks} chunks")
             configs.append(("kvconnector redis", with_redis, False, False, None))
+            if args.whole_loads:
+                configs.append(("kvconnector redis, whole before the forward",
+                                connector({**extra, "redis_url": args.redis_url,
+                                           "load_by_layer": False}), False, False, None))
             if args.redis_anywhere:
                 url = stack.enter_context(local_redis("any")).url
                 anywhere = connector({**extra, "redis_url": url})

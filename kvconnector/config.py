@@ -73,9 +73,9 @@ class ConnectorConfig:
         "Redis before its own step's forward instead of waiting a step for them (a request "
         "arriving in that step waits as long); 0: always wait a step.", lo=0)
     load_by_layer: bool = setting(
-        True, "bool", "CPU build: a step's load from Redis is read and copied in a few layers "
-        "at a time on a spare core while the forward runs, each chunk verified before the "
-        "step ends; false: whole chunks before the forward.")
+        True, "bool", "CPU build: a step's load from Redis (or a big one from memory) is read "
+        "and copied in a few layers at a time on a spare core while the forward runs, each "
+        "chunk verified before the step ends; false: whole chunks before the forward.")
     disk_path: str | None = setting(
         None, "text", "A directory for the disk tier, behind memory and before Redis; off "
         "when absent. Kept across restarts; the engines of one host may share it.", **_PATH)

@@ -1,6 +1,7 @@
-"""A step's load from Redis, a few layers at a time on a loader thread while the forward
-pass runs: vLLM calls ``wait_for_layer_load`` before each attention layer, and only that
-layer has to be in place by then (CPU build).
+"""A step's load, a few layers at a time on a loader thread while the forward pass runs:
+vLLM calls ``wait_for_layer_load`` before each attention layer, and only that layer has to
+be in place by then (CPU build). Used for loads with chunks in Redis, and for big ones from
+memory when vLLM left a core spare (the copy then runs there, off the forward's path).
 
 Before this, a Redis hit fetched every chunk whole and copied it in before the forward
 started: on the 2-core machine of docs/benchmarks.md the forward of a 2048-token SmolLM2
@@ -50,8 +51,9 @@ def layer_groups(num_layers: int, groups: int = GROUPS) -> list[tuple[int, int]]
 
 class LayerLoads:
     def __init__(self, layer_names: Sequence[str], copier: PagedCopier, store: WorkerStore,
-                 redis: RedisTier, ledger: Ledger, kernel_ids: Callable[[list[int]], list[int]],
-                 block_size: int, cores: set[int]) -> None:
+                 redis: RedisTier | None, ledger: Ledger,
+                 kernel_ids: Callable[[list[int]], list[int]], block_size: int,
+                 cores: set[int]) -> None:
         self._index = {name: i for i, name in enumerate(layer_names)}
         self._num_layers = len(layer_names)
         self._copier = copier
@@ -68,6 +70,10 @@ class LayerLoads:
         self._transfers: list[ChunkTransfer] = []
         self._wait_s = 0.0
         self.enabled = True
+
+    def ranged(self, t: ChunkTransfer) -> bool:
+        """Read from Redis by layer groups (else whole, or already in memory)."""
+        return self._redis is not None and t.source == "redis" and not t.blocks and t.slot >= 0
 
     def start(self, transfers: list[ChunkTransfer]) -> None:
         self._ready = [threading.Event() for _ in range(self._num_layers)]
@@ -132,7 +138,7 @@ class LayerLoads:
         # Partial chunks and chunks from the disk come whole first: they are small or local.
         self._store.fetch([(t.slot, t.chunk_hash, t.source, t.blocks) for t in transfers
                            if t.source != "memory" and (t.source != "redis" or t.blocks)])
-        ranged = [t for t in transfers if t.source == "redis" and not t.blocks and t.slot >= 0]
+        ranged = [t for t in transfers if self.ranged(t)]
         slots = {t.slot for t in ranged}
         failed: list[Failure] = []
         ready_now: list[ChunkTransfer] = []
@@ -161,10 +167,12 @@ class LayerLoads:
             for i in range(first, last):
                 ready[i].set()
         lost |= self._seal(arriving)
-        self._ledger.count(redis_loaded_chunks=len(slots - lost), redis_misses=len(lost),
-                           **{"phase_seconds.redis_fetch": time.perf_counter() - redis_s - copy_s,
-                              "phase_seconds.load_copy": copy_s})
-        failed += [(t, "redis") for t in transfers if t.slot in lost]
+        if slots:
+            self._ledger.count(redis_loaded_chunks=len(slots - lost), redis_misses=len(lost),
+                               **{"phase_seconds.redis_fetch":
+                                  time.perf_counter() - redis_s - copy_s})
+        self._ledger.count(**{"phase_seconds.load_copy": copy_s})
+        failed += [(t, "not_in_slot") for t in transfers if t.slot in lost]
         self._count_loaded(ready_now + [t for t in transfers if t.slot in slots - lost],
                            time.perf_counter() - start)
         return failed
@@ -173,6 +181,9 @@ class LayerLoads:
                ) -> tuple[list[tuple[ChunkTransfer, Head, memoryview]], set[int]]:
         """The chunks whose headers check out, each with its slot's bytes; the slots of
         those that do not."""
+        if not ranged:
+            return [], set()
+        assert self._redis is not None
         self._deadline = time.monotonic() + self._redis.redis.timeout_s
         for t in ranged:
             self._store.pool.begin_write(t.slot)
@@ -188,6 +199,7 @@ class LayerLoads:
         """Layers ``first``..``last - 1`` of every arriving chunk; the slots that stopped."""
         if not arriving:
             return arriving, set()
+        assert self._redis is not None
         starts, outs = [], []
         for _, head, view in arriving:
             per_layer = view.nbytes // self._num_layers
@@ -211,6 +223,7 @@ class LayerLoads:
         that fail."""
         if not arriving:
             return set()
+        assert self._redis is not None
         ok = check_payloads(self._redis.redis,
                             [self._store.key(t.chunk_hash) for t, _, _ in arriving],
                             [h for _, h, _ in arriving], [v for _, _, v in arriving])

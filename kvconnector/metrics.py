@@ -50,11 +50,13 @@ COUNTERS = (
            "held them (memory, disk, redis).", "tier"),
     Family("loaded_chunks", "Chunks copied from the memory tier into vLLM's KV cache."),
     Family("loaded_bytes", "Bytes copied from the memory tier into vLLM's KV cache."),
+    Family("layer_loads", "Loads made layer by layer while the forward pass ran (load_by_layer)."),
     Family("saved_chunks", "Chunks copied out of vLLM's KV cache into the memory tier."),
     Family("saved_bytes", "Bytes copied out of vLLM's KV cache into the memory tier."),
     Family("load_errors", "Chunk loads that failed and were recomputed, by reason: missing "
            "(no slot), not_in_slot (never arrived, e.g. a Redis miss or a failed save), "
-           "error.", "reason"),
+           "layer_not_awaited (a layer-by-layer load vLLM did not wait for), error.",
+           "reason"),
     Family("save_errors", "Chunk saves that failed (the chunk is a later miss)."),
     Family("corrupt_values", "Redis values that failed a codec check and were deleted, by "
            "reason (checksum, mac, key, truncated, ...).", "reason"),
@@ -106,6 +108,8 @@ HISTOGRAMS = (
     Family("disk_fetch_seconds", "Time to read one request's chunk files from the disk tier "
            "into memory slots."),
     Family("blend_seconds", "Time to blend one request's range (load, select, recompute)."),
+    Family("layer_wait_seconds", "Time the forward pass waited for its layers in one "
+           "layer-by-layer load: the part of the load it did not hide."),
 )
 GAUGE_FAMILIES = (
     Family("memory_slots_used", "Memory-tier slots holding a chunk (or planned to)."),

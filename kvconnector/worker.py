@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvconnector.worker")
 
+# A load from memory goes layer by layer from this size (waking the loader costs ~0.3 ms).
+LAYER_MIN_BYTES = 16 << 20
+
 # vLLM gives a stopping engine a few seconds (none by default) before it kills it.
 SHUTDOWN_BUDGET_S = 1.0
 
@@ -121,8 +124,7 @@ class WorkerHalf:
         tiers = [t for t in (self.disk_tier, self.redis_tier) if t is not None]
         self.store = WorkerStore(self.pool, tiers, self.fingerprint, self.tp_rank,
                                  self.ledger, stream)
-        if self._copier is not None and self.redis_tier is not None and \
-                self.config.load_by_layer:
+        if self._copier is not None and self.config.load_by_layer:
             self.layer_loads = LayerLoads(self.layer_names, self._copier, self.store,
                                           self.redis_tier, self.ledger, self._kernel_ids,
                                           self.spec.block_size, self._spare_cores)
@@ -143,8 +145,8 @@ class WorkerHalf:
         found only on disk or in Redis (for a request alone in the engine) fetched first."""
         try:
             self.copies.wait_for_slots(t.slot for t in plan.loads)
-            if self.layer_loads is not None and self.layer_loads.enabled and any(
-                    t.source == "redis" and t.slot >= 0 and not t.blocks for t in plan.loads):
+            if self._by_layer(plan.loads):
+                assert self.layer_loads is not None
                 self.layer_loads.start(plan.loads)  # the forward waits layer by layer
                 return
             self._fetch(plan.loads)
@@ -153,6 +155,16 @@ class WorkerHalf:
             logger.exception("kvconnector: loading %d chunks failed", len(plan.loads))
             for t in plan.loads:
                 self._load_failed(t, "error")
+
+    def _by_layer(self, loads: list[ChunkTransfer]) -> bool:
+        """Layer by layer: a load with chunks to read from Redis, or one from memory big
+        enough to repay handing it to a spare core."""
+        if self.layer_loads is None or not self.layer_loads.enabled:
+            return False
+        if any(self.layer_loads.ranged(t) for t in loads):
+            return True
+        assert self.pool is not None
+        return bool(self._spare_cores) and len(loads) * self.pool.chunk_bytes >= LAYER_MIN_BYTES
 
     def finish_layer_loads(self) -> None:
         """The end of this step's layer-by-layer load, before anything reads its blocks or

@@ -126,7 +126,7 @@ def test_a_payload_damaged_in_its_last_layer_is_reported_after_the_forward(serve
     value = client.get(parts.rkey(1))
     client.setrange(parts.rkey(1), len(value) - 3, bytes([value[-3] ^ 0xFF]))
     failed = parts.forward()
-    assert [(t.index, why) for t, why in failed] == [(1, "redis")]
+    assert [(t.index, why) for t, why in failed] == [(1, "not_in_slot")]
     with pytest.raises(ChunkCorrupt):
         parts.store.read(parts.transfers[1].slot, parts.transfers[1].chunk_hash)
     for t in (parts.transfers[0], parts.transfers[2]):
@@ -141,7 +141,7 @@ def test_a_damaged_header_or_a_missing_value_fails_only_its_chunk(server, parts)
     client.setrange(parts.rkey(0), PREFIX_LEN + 4, b"\xff")
     client.delete(parts.rkey(2))
     failed = parts.forward()
-    assert sorted((t.index, why) for t, why in failed) == [(0, "redis"), (2, "redis")]
+    assert sorted((t.index, why) for t, why in failed) == [(0, "not_in_slot"), (2, "not_in_slot")]
     for i in range(LAYERS):
         assert torch.equal(parts.layers[i][4:6], parts.want[i][4:6])  # chunk 1 loaded
         assert not parts.layers[i][:4].any()  # chunks 0 and 2: nothing written
@@ -176,3 +176,26 @@ def test_redis_gone_mid_load_ends_the_load_and_fails_its_chunks(server, request)
         with pytest.raises(ChunkCorrupt):
             p.store.read(t.slot, t.chunk_hash)
     assert not p.layers[LAYERS - 1].any()
+
+
+def test_a_load_from_memory_alone_goes_layer_by_layer_too(parts):
+    """Without Redis (the chunks already in memory slots), layer by layer is only the copy."""
+    for t in parts.transfers:  # what the reader's Redis load would have left in its slots
+        assert parts.store.fetch([(t.slot, t.chunk_hash, "redis", 0)]) is None
+        parts.store.read(t.slot, t.chunk_hash)
+    for t in parts.layers:
+        t.zero_()
+    memory = LayerLoads(NAMES, parts.loads._copier, parts.store, None, parts.ledger,
+                        lambda ids: ids, 16, set())
+    try:
+        loads = [ChunkTransfer("m", t.index, t.chunk_hash, t.slot, t.block_ids)
+                 for t in parts.transfers]
+        assert not any(memory.ranged(t) for t in loads)
+        memory.start(loads)
+        seen = []
+        for i, name in enumerate(NAMES):
+            memory.wait(name)
+            seen.append(torch.equal(parts.layers[i], parts.want[i]))
+        assert memory.finish() == [] and all(seen)
+    finally:
+        memory.close()

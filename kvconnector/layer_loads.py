@@ -168,9 +168,10 @@ class LayerLoads:
                 ready[i].set()
         lost |= self._seal(arriving)
         if slots:
+            fetch_s = time.perf_counter() - redis_s - copy_s
             self._ledger.count(redis_loaded_chunks=len(slots - lost), redis_misses=len(lost),
-                               **{"phase_seconds.redis_fetch":
-                                  time.perf_counter() - redis_s - copy_s})
+                               **{"phase_seconds.redis_fetch": fetch_s})
+            self._ledger.observe(redis_fetch_seconds=fetch_s)
         self._ledger.count(**{"phase_seconds.load_copy": copy_s})
         failed += [(t, "not_in_slot") for t in transfers if t.slot in lost]
         self._count_loaded(ready_now + [t for t in transfers if t.slot in slots - lost],
@@ -248,3 +249,4 @@ class LayerLoads:
         self._ledger.count(loaded_chunks=len(loaded), loaded_tokens=n_blocks * self._block_size,
                            loaded_bytes=pool.chunk_bytes * n_blocks // bpc,
                            load_seconds=seconds)
+        self._ledger.observe(load_batch_seconds=seconds)

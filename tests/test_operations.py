@@ -304,6 +304,10 @@ def test_server_metrics_move(ops):
     assert m("vllm:kvconnector_chunk_save_seconds_count") == saved
     assert m("vllm:kvconnector_load_batch_seconds_count") >= 2
     assert m("vllm:kvconnector_redis_fetch_seconds_count") >= 2
+    # the lone Redis hit went layer by layer while its forward ran (load_by_layer)
+    assert m("vllm:kvconnector_layer_loads_total") >= 1
+    assert m("vllm:kvconnector_layer_wait_seconds_count") == m(
+        "vllm:kvconnector_layer_loads_total")
     assert m("vllm:kvconnector_redis_chunks_total", op="get") >= 2
     assert m("vllm:kvconnector_redis_bytes_total", op="put") >= 8 * CHUNK_BYTES
     # The damaged values: counted by reason, deleted, recomputed.

@@ -221,8 +221,10 @@ def main() -> None:
     p.add_argument("--redis-anywhere", action="store_true",
                    help="also the Redis hit from a second local redis-server on any core")
     p.add_argument("--whole-loads", action="store_true",
-                   help="also the Redis hit loaded whole before the forward (load_by_layer "
-                        "false), as before section 20")
+                   help="also the memory and Redis hits loaded whole before the forward "
+                        "(load_by_layer false), as before section 20")
+    p.add_argument("--sync-mib", type=int, default=None,
+                   help="also the Redis hit with sync_fetch_max_mib set to this")
     with redis_for(p.parse_args()) as args:
         bench(args)
 
@@ -248,6 +250,9 @@ def bench(args) -> None:
              False, True, None),
             ("kvconnector memory", connector(extra), False, True, None),
         ]
+        if args.whole_loads:
+            configs.append(("kvconnector memory, whole before the forward",
+                            connector({**extra, "load_by_layer": False}), False, True, None))
         if args.floors:
             # vLLM's engine processes import the idle connector by module name.
             here = str(Path(__file__).resolve().parent)
@@ -268,6 +273,11 @@ def bench(args) -> None:
                 configs.append(("kvconnector redis, whole before the forward",
                                 connector({**extra, "redis_url": args.redis_url,
                                            "load_by_layer": False}), False, False, None))
+            if args.sync_mib is not None:
+                configs.append((f"kvconnector redis, sync up to {args.sync_mib} MiB",
+                                connector({**extra, "redis_url": args.redis_url,
+                                           "sync_fetch_max_mib": args.sync_mib}),
+                                False, False, None))
             if args.redis_anywhere:
                 url = stack.enter_context(local_redis("any")).url
                 anywhere = connector({**extra, "redis_url": url})

@@ -31,6 +31,10 @@ _DISK_KEYS = ("disk_capacity", "disk_direct_io", "disk_write_threads")
 
 DEFAULT_CHUNK_SIZE = 256
 DEFAULT_MEMORY_CAPACITY = 2 << 30
+# A lone request's fetch before its forward: whole, ~60 ms at the 1.0-1.2 GB/s of a Redis
+# connection here; layer by layer, mostly hidden behind the forward (benchmarks.md 20).
+SYNC_FETCH_MIB = 64
+SYNC_FETCH_BY_LAYER_MIB = 256
 
 
 @dataclass(frozen=True)
@@ -68,10 +72,12 @@ class ConnectorConfig:
         "out of vLLM's logs, which print this config).", **_PATH)
     redis_password_file: str | None = setting(
         None, "text", "A file holding the Redis password (for mounted secrets).", **_PATH)
-    sync_fetch_max_mib: int = setting(
-        64, "int", "A request alone in the engine loads up to this many MiB from the disk or "
+    sync_fetch_max_mib: int | None = setting(
+        None, "int", "A request alone in the engine loads up to this many MiB from the disk or "
         "Redis before its own step's forward instead of waiting a step for them (a request "
-        "arriving in that step waits as long); 0: always wait a step.", lo=0)
+        "arriving in that step waits as long); 0: always wait a step. Default: 256 where "
+        "Redis loads go layer by layer beside the forward (CPU build, load_by_layer), else "
+        "64.", lo=0, optional=True)
     load_by_layer: bool = setting(
         True, "bool", "CPU build: a step's load from Redis (or a big one from memory) is read "
         "and copied in a few layers at a time on a spare core while the forward runs, each "
@@ -149,6 +155,13 @@ class ConnectorConfig:
             raise ConfigError(f"{name}: the secret has {len(data)} bytes; use at least "
                               f"{MIN_SECRET_BYTES} (e.g. 32 random bytes, base64-encoded)")
         return data
+
+    def sync_fetch_max_bytes(self, by_layer: bool) -> int:
+        """``sync_fetch_max_mib`` in bytes; ``by_layer``: Redis loads go layer by layer."""
+        mib = self.sync_fetch_max_mib
+        if mib is None:
+            mib = SYNC_FETCH_BY_LAYER_MIB if by_layer and self.redis_url else SYNC_FETCH_MIB
+        return mib << 20
 
     def memory_slots(self, chunk_bytes: int) -> int:
         """How many chunks of ``chunk_bytes`` the memory tier holds; at least one."""

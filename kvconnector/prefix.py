@@ -36,10 +36,11 @@ class Held:
 class PrefixReuse:
     def __init__(self, config: ConnectorConfig, block_size: int, fingerprint: bytes,
                  tp_size: int, index: MemoryIndex, fetches: Fetches,
-                 lookups: Lookups | None, disk: DiskCatalog | None, chunk_bytes: int) -> None:
+                 lookups: Lookups | None, disk: DiskCatalog | None, chunk_bytes: int,
+                 by_layer: bool = False) -> None:
         self.chunk_size = config.chunk_size
         self.chunk_bytes = chunk_bytes
-        self.sync_fetch_max_bytes = config.sync_fetch_max_mib << 20
+        self.sync_fetch_max_bytes = config.sync_fetch_max_bytes(by_layer)
         self.block_size = block_size
         self.blocks_per_chunk = config.chunk_size // block_size
         self.fingerprint = fingerprint

@@ -66,7 +66,8 @@ class SchedulerHalf:
         self.prefix = PrefixReuse(config, self.block_size, self.fingerprint,
                                   vllm_config.parallel_config.tensor_parallel_size,
                                   self.index, self.fetches, self.lookups, self.disk,
-                                  compat.chunk_bytes(kv_cache_config, config))
+                                  compat.chunk_bytes(kv_cache_config, config),
+                                  by_layer=config.load_by_layer and compat.is_cpu_platform())
         self.saves = SavePlanner(config, self.block_size, self.index, self.events)
         self.blend = (BlendScheduler(config, vllm_config, self.block_size, self.fingerprint,
                                      self.index, self.fetches, self.lookups, self.stats,

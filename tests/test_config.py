@@ -149,3 +149,16 @@ def test_the_checker_names_the_key_and_what_it_expects(kind, good, bad, message)
     with pytest.raises(ConfigError, match=message) as e:
         check("k", s, bad)
     assert "pw" not in str(e.value)  # a URL may hold a password: never echoed
+
+
+def test_a_lone_requests_fetch_bound_is_larger_where_redis_loads_go_by_layer():
+    mib = 1 << 20
+    plain = ConnectorConfig.from_extra_config({})
+    redis = ConnectorConfig.from_extra_config({"redis_url": "redis://127.0.0.1:6379"})
+    assert plain.sync_fetch_max_bytes(by_layer=True) == 64 * mib  # no Redis: disk only
+    assert redis.sync_fetch_max_bytes(by_layer=False) == 64 * mib
+    assert redis.sync_fetch_max_bytes(by_layer=True) == 256 * mib
+    for asked in (0, 32):
+        cfg = ConnectorConfig.from_extra_config({"redis_url": "redis://127.0.0.1:6379",
+                                                 "sync_fetch_max_mib": asked})
+        assert cfg.sync_fetch_max_bytes(by_layer=True) == asked * mib

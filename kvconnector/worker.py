@@ -147,6 +147,7 @@ class WorkerHalf:
             self.copies.wait_for_slots(t.slot for t in plan.loads)
             if self._by_layer(plan.loads):
                 assert self.layer_loads is not None
+                self.finish_layer_loads()  # the last step's, were it never finished
                 self.layer_loads.start(plan.loads)  # the forward waits layer by layer
                 return
             self._fetch(plan.loads)

@@ -35,6 +35,9 @@ DEFAULT_MEMORY_CAPACITY = 2 << 30
 # connection here; layer by layer, mostly hidden behind the forward (benchmarks.md 20).
 SYNC_FETCH_MIB = 64
 SYNC_FETCH_BY_LAYER_MIB = 256
+# With fewer layers the forward waits for too much of the load (benchmarks.md 20: a 2-layer
+# model's Redis hits took 1.56-1.75x vLLM's own hit by layer, 1.46-1.49x whole).
+BY_LAYER_MIN_LAYERS = 8
 
 
 @dataclass(frozen=True)
@@ -78,10 +81,11 @@ class ConnectorConfig:
         "arriving in that step waits as long); 0: always wait a step. Default: 256 where "
         "Redis loads go layer by layer beside the forward (CPU build, load_by_layer), else "
         "64.", lo=0, optional=True)
-    load_by_layer: bool = setting(
-        True, "bool", "CPU build: a step's load from Redis (or a big one from memory) is read "
-        "and copied in a few layers at a time on a spare core while the forward runs, each "
-        "chunk verified before the step ends; false: whole chunks before the forward.")
+    load_by_layer: bool | str = setting(
+        "auto", "choice", "CPU build: a step's load from Redis (or a big one from memory) is "
+        "read and copied a few layers at a time on a spare core while the forward runs, each "
+        "chunk verified before the step ends; false: whole chunks before the forward. "
+        "\"auto\": for models of 8 layers or more.", choices=("auto", True, False))
     disk_path: str | None = setting(
         None, "text", "A directory for the disk tier, behind memory and before Redis; off "
         "when absent. Kept across restarts; the engines of one host may share it.", **_PATH)
@@ -155,6 +159,12 @@ class ConnectorConfig:
             raise ConfigError(f"{name}: the secret has {len(data)} bytes; use at least "
                               f"{MIN_SECRET_BYTES} (e.g. 32 random bytes, base64-encoded)")
         return data
+
+    def by_layer(self, num_layers: int) -> bool:
+        """Whether loads go layer by layer (where the worker copies on the host)."""
+        if self.load_by_layer == "auto":
+            return num_layers >= BY_LAYER_MIN_LAYERS
+        return bool(self.load_by_layer)
 
     def sync_fetch_max_bytes(self, by_layer: bool) -> int:
         """``sync_fetch_max_mib`` in bytes; ``by_layer``: Redis loads go layer by layer."""

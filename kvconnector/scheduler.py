@@ -42,7 +42,7 @@ logger = logging.getLogger("kvconnector.scheduler")
 class SchedulerHalf:
     def __init__(self, config: ConnectorConfig, vllm_config: VllmConfig,
                  kv_cache_config: KVCacheConfig) -> None:
-        _, spec = compat.attention_group(kv_cache_config)
+        layer_names, spec = compat.attention_group(kv_cache_config)
         config.check_block_size(spec.block_size)
         self.config = config
         self.block_size = spec.block_size
@@ -67,7 +67,8 @@ class SchedulerHalf:
                                   vllm_config.parallel_config.tensor_parallel_size,
                                   self.index, self.fetches, self.lookups, self.disk,
                                   compat.chunk_bytes(kv_cache_config, config),
-                                  by_layer=config.load_by_layer and compat.is_cpu_platform())
+                                  by_layer=compat.is_cpu_platform() and config.by_layer(
+                                      len(layer_names)))
         self.saves = SavePlanner(config, self.block_size, self.index, self.events)
         self.blend = (BlendScheduler(config, vllm_config, self.block_size, self.fingerprint,
                                      self.index, self.fetches, self.lookups, self.stats,

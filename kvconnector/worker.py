@@ -124,7 +124,7 @@ class WorkerHalf:
         tiers = [t for t in (self.disk_tier, self.redis_tier) if t is not None]
         self.store = WorkerStore(self.pool, tiers, self.fingerprint, self.tp_rank,
                                  self.ledger, stream)
-        if self._copier is not None and self.config.load_by_layer:
+        if self._copier is not None and self.config.by_layer(len(self.layer_names)):
             self.layer_loads = LayerLoads(self.layer_names, self._copier, self.store,
                                           self.redis_tier, self.ledger, self._kernel_ids,
                                           self.spec.block_size, self._spare_cores)

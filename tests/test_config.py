@@ -162,3 +162,13 @@ def test_a_lone_requests_fetch_bound_is_larger_where_redis_loads_go_by_layer():
         cfg = ConnectorConfig.from_extra_config({"redis_url": "redis://127.0.0.1:6379",
                                                  "sync_fetch_max_mib": asked})
         assert cfg.sync_fetch_max_bytes(by_layer=True) == asked * mib
+
+
+def test_loads_go_by_layer_for_deep_models_unless_told():
+    auto = ConnectorConfig.from_extra_config({})
+    assert auto.load_by_layer == "auto"
+    assert auto.by_layer(30) and auto.by_layer(8) and not auto.by_layer(2)
+    assert ConnectorConfig.from_extra_config({"load_by_layer": True}).by_layer(2)
+    assert not ConnectorConfig.from_extra_config({"load_by_layer": False}).by_layer(30)
+    with pytest.raises(ConfigError, match="load_by_layer"):
+        ConnectorConfig.from_extra_config({"load_by_layer": "yes"})

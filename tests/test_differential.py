@@ -40,7 +40,8 @@ def test_small_memory_tier_with_redis_behind_it_serves_vllms_tokens(tiny_model, 
         for cap in CAPACITIES:
             engines.append({"connector": {"memory_capacity": cap}, "batches": seq})
             engines.append({"connector": {"memory_capacity": cap, "redis_url": redis.url,
-                                          "redis_key_prefix": f"cap{cap}"}, "batches": seq})
+                                          "redis_key_prefix": f"cap{cap}",
+                                          "load_by_layer": True}, "batches": seq})
         res = run_engine(tmp_path, {"model": tiny_model, "engines": engines},
                          runner="differential_runner.py")
     want = [b[0]["tokens"] for b in res[0]["outputs"]]

@@ -22,7 +22,7 @@ from kvconnector.layer_loads import LayerLoads, layer_groups  # noqa: E402
 from kvconnector.layout import describe_layers  # noqa: E402
 from kvconnector.ledger import Ledger  # noqa: E402
 from kvconnector.metadata import ChunkTransfer  # noqa: E402
-from kvconnector.store import ChunkCorrupt, SlotPool  # noqa: E402
+from kvconnector.store import ChunkCorrupt, SlotPool, codec  # noqa: E402
 from kvconnector.store.codec import PREFIX_LEN  # noqa: E402
 from kvconnector.store.redis_store import RedisStore  # noqa: E402
 from kvconnector.store.tiering import RedisTier  # noqa: E402
@@ -52,10 +52,12 @@ def _kv():
 class Parts:
     """A writer's pool put every chunk in Redis; a reader's empty pool loads them."""
 
-    def __init__(self, url: str, prefix: str, reader_url: str | None = None) -> None:
+    def __init__(self, url: str, prefix: str, reader_url: str | None = None,
+                 writer_mac: bytes | None = None, reader_mac: bytes | None = None) -> None:
         self.layers, layout = _kv()
         shape = (LAYERS, *layout.chunk_shape(BPC))
-        self.redis = RedisStore.from_url(url, key_prefix=prefix, timeout_s=1.0)
+        self.redis = RedisStore.from_url(url, key_prefix=prefix, timeout_s=1.0,
+                                         mac_key=writer_mac)
         writer_pool = SlotPool(SLOTS, shape, layout.dtype, checksums=True)
         writer_tier = RedisTier(self.redis, writer_pool, layout.family, blocks_per_chunk=BPC)
         writer = WorkerStore(writer_pool, [writer_tier], FP, 0, Ledger())
@@ -67,8 +69,9 @@ class Parts:
             writer.seal(slot, h)
             want_copier.scatter(writer_pool.buffer, block_runs([(slot, ids)]))
         assert writer_tier.flush(10)
-        if reader_url is not None:
-            self.redis = RedisStore.from_url(reader_url, key_prefix=prefix, timeout_s=1.0)
+        if reader_url is not None or reader_mac is not None:
+            self.redis = RedisStore.from_url(reader_url or url, key_prefix=prefix,
+                                             timeout_s=1.0, mac_key=reader_mac)
         self.pool = SlotPool(SLOTS, shape, layout.dtype, checksums=True)
         self.tier = RedisTier(self.redis, self.pool, layout.family, blocks_per_chunk=BPC)
         self.ledger = Ledger()
@@ -199,3 +202,21 @@ def test_a_load_from_memory_alone_goes_layer_by_layer_too(parts):
         assert memory.finish() == [] and all(seen)
     finally:
         memory.close()
+
+
+def test_with_a_shared_secret_only_values_signed_with_it_are_kept(server, request):
+    """The last check is the MAC when the reader has a key: values signed with another
+    secret arrive, are used by the forward, and are all reported; with the same secret,
+    none is."""
+    name = request.node.name
+    for reader_secret, failures in ((b"s" * 32, 0), (b"t" * 32, 3)):
+        p = Parts(server.url, f"{name}-{failures}", writer_mac=codec.mac_key(b"s" * 32),
+                  reader_mac=codec.mac_key(reader_secret))
+        try:
+            failed = p.forward()
+            stats = p.redis.snapshot()
+        finally:
+            p.loads.close()
+            p.redis.close()
+        assert len(failed) == failures
+        assert stats["corrupt_reasons"] == ({"mac": 3} if failures else {})

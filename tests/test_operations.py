@@ -108,7 +108,8 @@ def metric(samples: list, name: str, **labels: str) -> float:
 def _serve(cluster: RedisClusterServers, model: str, tmp: Path) -> dict:
     extra = {"memory_capacity": "1MiB",  # 4 chunks: the third prompt evicts the first
              "redis_url": cluster.cluster_url, "namespace": "served",
-             "redis_lookup_budget_ms": 10_000}
+             "redis_lookup_budget_ms": 10_000,
+             "load_by_layer": True}  # "auto" would skip the tiny model's 2 layers
     kvt = {"kv_connector": "kvconnector", "kv_role": "kv_both",
            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
     out: dict = {}

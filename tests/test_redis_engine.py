@@ -36,7 +36,7 @@ def test_second_engine_serves_first_engines_chunks(tiny_model, tmp_path_factory,
     """The first engine writes over TCP, the second reads over the server's unix socket:
     one Redis, two ways to it (docs/benchmarks.md sections 15 and 17 measure both)."""
     extra = {"memory_capacity": "64MiB", "redis_url": redis_server.url,
-             "redis_key_prefix": "e2e"}
+             "redis_key_prefix": "e2e", "load_by_layer": True}  # "auto" skips 2 layers
     first = run_engine(tmp_path_factory.mktemp("redis-a"), {
         "model": tiny_model, "connector": extra, "steps": [
             {"op": "generate", "prompts": [P1]}, {"op": "flush"}, {"op": "redis_stats"}]})

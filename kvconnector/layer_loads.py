@@ -119,7 +119,7 @@ class LayerLoads:
         return failed
 
     def close(self) -> None:
-        self.finish()
+        """The engine is stopping: a load still running ends within its Redis deadline."""
         self._thread.shutdown(wait=False)
 
     # ---- on the loader thread ----

@@ -42,6 +42,7 @@ logger = logging.getLogger("kvconnector.layer_loads")
 GROUPS = 10
 
 Failure = tuple[ChunkTransfer, str]
+Arriving = tuple[ChunkTransfer, Head, memoryview]  # a chunk, its header, its slot's bytes
 
 
 def layer_groups(num_layers: int, groups: int = GROUPS) -> list[tuple[int, int]]:
@@ -62,7 +63,6 @@ class LayerLoads:
         self._ledger = ledger
         self._kernel_ids = kernel_ids
         self._block_size = block_size
-        self._deadline = 0.0
         self._thread = threads.pool("kvconnector-layer-loads", cores)
         self._ready: list[threading.Event] = []
         self._waited: set[int] = set()
@@ -152,10 +152,11 @@ class LayerLoads:
                 logger.warning("kvconnector: %s; its blocks will be recomputed", e)
                 failed.append((t, e.reason))
         redis_s = time.perf_counter()
-        arriving, lost = self._heads(ranged)
+        deadline = time.monotonic() + (self._redis.redis.timeout_s if self._redis else 0.0)
+        arriving, lost = self._heads(ranged, deadline)
         copy_s = 0.0
         for first, last in layer_groups(self._num_layers):
-            arriving, gone = self._ranges(arriving, first, last)
+            arriving, gone = self._ranges(arriving, first, last, deadline)
             lost |= gone
             if first == 0 or gone:
                 copy = self._scatter(ready_now + [t for t in transfers
@@ -174,29 +175,29 @@ class LayerLoads:
             self._ledger.observe(redis_fetch_seconds=fetch_s)
         self._ledger.count(**{"phase_seconds.load_copy": copy_s})
         failed += [(t, "not_in_slot") for t in transfers if t.slot in lost]
-        self._count_loaded(ready_now + [t for t in transfers if t.slot in slots - lost],
-                           time.perf_counter() - start)
+        self._ledger.loaded(ready_now + [t for t in transfers if t.slot in slots - lost],
+                            self._block_size, self._store.pool.chunk_bytes,
+                            time.perf_counter() - start)
         return failed
 
-    def _heads(self, ranged: list[ChunkTransfer]
-               ) -> tuple[list[tuple[ChunkTransfer, Head, memoryview]], set[int]]:
+    def _heads(self, ranged: list[ChunkTransfer], deadline: float
+               ) -> tuple[list[Arriving], set[int]]:
         """The chunks whose headers check out, each with its slot's bytes; the slots of
         those that do not."""
         if not ranged:
             return [], set()
         assert self._redis is not None
-        self._deadline = time.monotonic() + self._redis.redis.timeout_s
         for t in ranged:
             self._store.pool.begin_write(t.slot)
         keys = [self._store.key(t.chunk_hash) for t in ranged]
         heads = read_heads(self._redis.redis, keys, [self._redis.expected(k) for k in keys],
-                           self._deadline)
+                           deadline)
         arriving = [(t, h, self._redis.bytes.to_receive(t.slot, 0)[0])
                     for t, h in zip(ranged, heads, strict=True) if h is not None]
         return arriving, {t.slot for t, h in zip(ranged, heads, strict=True) if h is None}
 
-    def _ranges(self, arriving: list[tuple[ChunkTransfer, Head, memoryview]], first: int,
-                last: int) -> tuple[list[tuple[ChunkTransfer, Head, memoryview]], set[int]]:
+    def _ranges(self, arriving: list[Arriving], first: int, last: int, deadline: float
+                ) -> tuple[list[Arriving], set[int]]:
         """Layers ``first``..``last - 1`` of every arriving chunk; the slots that stopped."""
         if not arriving:
             return arriving, set()
@@ -208,7 +209,7 @@ class LayerLoads:
             outs.append(view[per_layer * first:per_layer * last])
         got = read_ranges(self._redis.redis, [self._store.key(t.chunk_hash)
                                               for t, _, _ in arriving], starts, outs,
-                          self._deadline)
+                          deadline)
         return ([a for a, ok in zip(arriving, got, strict=True) if ok],
                 {a[0].slot for a, ok in zip(arriving, got, strict=True) if not ok})
 
@@ -218,7 +219,7 @@ class LayerLoads:
         runs = block_runs((t.slot, self._kernel_ids(t.block_ids)) for t in active)
         return self._copier.layer_scatter(self._store.pool.buffer, runs)
 
-    def _seal(self, arriving: list[tuple[ChunkTransfer, Head, memoryview]]) -> set[int]:
+    def _seal(self, arriving: list[Arriving]) -> set[int]:
         """The last check of every ranged chunk; those that pass are sealed in the pool
         (and written to the disk tier, as a whole fetch from Redis is). The slots of those
         that fail."""
@@ -228,25 +229,12 @@ class LayerLoads:
         ok = check_payloads(self._redis.redis,
                             [self._store.key(t.chunk_hash) for t, _, _ in arriving],
                             [h for _, h, _ in arriving], [v for _, _, v in arriving])
-        disk = self._store.tier("disk")
         bad: set[int] = set()
         for (t, _, _), good in zip(arriving, ok, strict=True):
-            if not good:
+            if good:
+                self._store.pool.end_write(t.slot, self._store.key(t.chunk_hash),
+                                           for_redis=False)
+                self._store.to_disk(t.slot, t.chunk_hash)
+            else:
                 bad.add(t.slot)
-                continue
-            key = self._store.key(t.chunk_hash)
-            self._store.pool.end_write(t.slot, key, for_redis=False)
-            if disk is not None:
-                disk.offload(t.slot, key, 0)
         return bad
-
-    def _count_loaded(self, loaded: list[ChunkTransfer], seconds: float) -> None:
-        if not loaded:
-            return
-        n_blocks = sum(b >= 0 for t in loaded for b in t.block_ids)
-        bpc = len(loaded[0].block_ids)
-        pool = self._store.pool
-        self._ledger.count(loaded_chunks=len(loaded), loaded_tokens=n_blocks * self._block_size,
-                           loaded_bytes=pool.chunk_bytes * n_blocks // bpc,
-                           load_seconds=seconds)
-        self._ledger.observe(load_batch_seconds=seconds)

@@ -13,9 +13,9 @@ from a socket or a file (Python hands it over only every 5 ms).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
-from kvconnector.metadata import WorkerReport
+from kvconnector.metadata import ChunkTransfer, WorkerReport
 from kvconnector.stats import TransferStats
 
 
@@ -34,6 +34,17 @@ class Ledger:
         with self._lock:
             self._stats.add(**counts)
             self.totals.add(**counts)
+
+    def loaded(self, transfers: Sequence[ChunkTransfer], block_size: int, chunk_bytes: int,
+               seconds: float) -> None:
+        """Chunks copied into vLLM's blocks, as one batch of ``seconds``."""
+        if not transfers:
+            return
+        n_blocks = sum(b >= 0 for t in transfers for b in t.block_ids)
+        self.count(loaded_chunks=len(transfers), loaded_tokens=n_blocks * block_size,
+                   loaded_bytes=chunk_bytes * n_blocks // len(transfers[0].block_ids),
+                   load_seconds=seconds)
+        self.observe(load_batch_seconds=seconds)
 
     def observe(self, **seconds: float) -> None:
         with self._lock:

@@ -231,14 +231,9 @@ class WorkerHalf:
             for t in ready:
                 self._load_failed(t, "error")
             return
-        n_blocks = sum(b >= 0 for t in ready for b in t.block_ids)
-        bpc = len(ready[0].block_ids)
         elapsed = time.perf_counter() - start
-        self.ledger.count(loaded_chunks=len(ready),
-                          loaded_tokens=n_blocks * self.spec.block_size,
-                          loaded_bytes=self.pool.chunk_bytes * n_blocks // bpc,
-                          load_seconds=elapsed, **{"phase_seconds.load_copy": elapsed})
-        self.ledger.observe(load_batch_seconds=elapsed)
+        self.ledger.loaded(ready, self.spec.block_size, self.pool.chunk_bytes, elapsed)
+        self.ledger.count(**{"phase_seconds.load_copy": elapsed})
 
     def _load_cuda(self, slot: torch.Tensor, block_ids: torch.Tensor,
                    on_copy_thread: bool) -> None:

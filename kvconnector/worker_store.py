@@ -61,7 +61,6 @@ class WorkerStore:
         names = [t.name for t in self.tiers]
         todo = [(slot, h, names.index(src) if src in names else len(names), blocks)
                 for slot, h, src, blocks in wanted]
-        disk = self.tier("disk")
         for i, tier in enumerate(self.tiers):
             asked = [(slot, h, blocks) for slot, h, first, blocks in todo if first <= i]
             if not asked:
@@ -76,8 +75,14 @@ class WorkerStore:
                                  f"phase_seconds.{tier.name}_fetch": elapsed})
             self.ledger.observe(**{f"{tier.name}_fetch_seconds": elapsed})
             arrived = {slot for (slot, _, _), ok in zip(asked, got, strict=True) if ok}
-            if tier.name == "redis" and disk is not None:
+            if tier.name == "redis":
                 for slot, h, blocks in asked:
                     if slot in arrived:
-                        disk.offload(slot, self.key(h), blocks)
+                        self.to_disk(slot, h, blocks)
             todo = [t for t in todo if t[0] not in arrived]
+
+    def to_disk(self, slot: int, chunk_hash: bytes, blocks: int = 0) -> None:
+        """A chunk that arrived from Redis is also written to the disk tier, if any."""
+        disk = self.tier("disk")
+        if disk is not None:
+            disk.offload(slot, self.key(chunk_hash), blocks)

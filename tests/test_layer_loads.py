@@ -5,6 +5,7 @@ unsealed), and a layer vLLM never waited for must fail the whole load."""
 
 from __future__ import annotations
 
+import faulthandler
 import sys
 import time
 from pathlib import Path
@@ -29,10 +30,21 @@ from kvconnector.store.tiering import RedisTier  # noqa: E402
 from kvconnector.worker_store import WorkerStore  # noqa: E402
 
 LAYERS, BPC, SLOTS = 12, 2, 6
+TIME_LIMIT_S = 60
 FP = b"f" * 16
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 # (chunk hash, block ids): three whole chunks, one with its blocks reversed
 CHUNKS = [(bytes([i]) * 16, ids) for i, ids in enumerate([[0, 1], [5, 4], [2, 3]])]
+
+
+@pytest.fixture(autouse=True)
+def time_limit():
+    """A load whose layers never come would hang its test: end the run instead (exit code 1;
+    tried with a loader that never marks its layers). A waited layer blocks without a
+    timeout of its own, by design: the loader always ends within its Redis deadline."""
+    faulthandler.dump_traceback_later(TIME_LIMIT_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="module")

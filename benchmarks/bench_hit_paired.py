@@ -1,0 +1,211 @@
+"""A hit against vLLM's own prefix-cache hit of the same prompt in the same engine.
+
+    python benchmarks/bench_hit_paired.py                 # tiny Mistral, bf16, 1k-16k tokens
+    python benchmarks/bench_hit_paired.py --model .cache/smollm2 --lengths 2048,4096
+
+``bench_peers.py`` compares engines: each configuration runs in engines of its own, and two
+engines of one configuration differ by 10-15% on this machine, more than the 5% the memory
+hit's goal allows. Here every engine measures all three hits of each prompt, one after
+another, with kvconnector (memory tier and Redis) attached and vLLM's prefix cache on:
+
+1. **Redis**: the prompt is new to this engine and a first engine stored it in Redis, so
+   kvconnector fetches it from Redis (its chunks land in the memory tier);
+2. **vLLM**: the same prompt again: vLLM's own prefix-cache hit (kvconnector's hooks run
+   and find nothing more to load);
+3. **memory**: ``reset_prefix_cache()`` empties vLLM's prefix cache (not kvconnector's),
+   and the same prompt loads from kvconnector's memory tier.
+
+Each hit follows the same pause and 16-token request (which also flushes the connector's
+timers), as in ``bench_peers.py``. A ratio is a prompt's hit time over its vLLM hit time in
+the same engine; the ratio per length is the median over every prompt and engine. The
+engine's speed cancels out; what vLLM's connector machinery costs its own hit does not show
+here (``bench_peers.py --floors`` measures that between engines). Every hit's first token
+must equal vLLM's own hit's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from bench_peers import fill_redis
+from common import (
+    add_model_args,
+    connector,
+    connector_seconds,
+    engine,
+    in_fresh_process,
+    pyplot,
+    random_prompt,
+    redis_for,
+    resolve_model,
+    timed_generate,
+    write_results,
+)
+
+TIERS = ("redis", "vllm", "memory")
+GOALS = {"memory": 1.05, "redis": 1.25}
+
+
+def run_engine(model: str, args, kvt: dict, prompts: dict[int, list[list[int]]],
+               from_redis: bool) -> dict:
+    """Per length, per prompt: each tier's hit time, first token and connector timers."""
+    max_len = max(prompts) + 64
+    out: dict[int, list[dict]] = {}
+
+    with engine(model, args, kvt, max_len, enable_prefix_caching=True,
+                max_num_batched_tokens=max_len, disable_log_stats=False) as llm:
+
+        def settle() -> dict[str, float]:
+            time.sleep(0.3)
+            timed_generate(llm, [random_prompt(random.Random(8), 16, 400)], 1)
+            return connector_seconds()
+
+        def hit(p: list[int]) -> dict:
+            before = settle()
+            secs, outs = timed_generate(llm, [p], 1)
+            after = settle()
+            return {"s": secs, "cached": outs[0].num_cached_tokens or 0,
+                    "token": outs[0].outputs[0].token_ids[0],
+                    "phases": {k: v - before.get(k, 0.0) for k, v in after.items()
+                               if v - before.get(k, 0.0) > 0}}
+
+        timed_generate(llm, [random_prompt(random.Random(9), 300, 400)], 1)
+        for n, group in prompts.items():
+            out[n] = []
+            for p in group:
+                rec = {}
+                if from_redis:
+                    rec["redis"] = hit(p)
+                else:
+                    timed_generate(llm, [p], 1)  # a miss: kvconnector stores the prompt
+                rec["vllm"] = hit(p)
+                if not llm.reset_prefix_cache():
+                    raise RuntimeError("vLLM did not reset its prefix cache")
+                rec["memory"] = hit(p)
+                out[n].append(rec)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.set_defaults(dtype="bfloat16", redis=True)
+    p.add_argument("--no-redis", dest="redis", action="store_false")
+    # 16000, not 16384: the tiny model's 16384 positions also hold the generated token.
+    p.add_argument("--lengths", default="1024,4096,16000")
+    p.add_argument("--prompts", type=int, default=4, help="distinct prompts per length")
+    p.add_argument("--engines", type=int, default=3, help="fresh engines, each on every prompt")
+    p.add_argument("--plot", default=None)
+    with redis_for(p.parse_args()) as args:
+        bench(args)
+
+
+def bench(args) -> None:
+    from tqdm import tqdm
+
+    model, vocab = resolve_model(args)
+    lengths = sorted(int(x) for x in args.lengths.split(","))
+    extra = {"memory_capacity": args.memory_capacity}
+    if args.redis_url:
+        extra["redis_url"] = args.redis_url
+    kvt = connector(extra)
+    engines = []
+    for e in tqdm(range(args.engines), desc="engines"):
+        rng = random.Random(100 + e)  # new prompts for every engine: each one's first
+        prompts = {n: [random_prompt(rng, n, vocab) for _ in range(args.prompts)]
+                   for n in lengths}  # request of a prompt must miss vLLM's cache
+        if args.redis_url:
+            import redis
+
+            redis.Redis.from_url(args.redis_url).flushall()  # fill_redis counts the keys
+            chunks = sum(len(q) // 256 for group in prompts.values() for q in group)
+            in_fresh_process(fill_redis, model, args, kvt, prompts, chunks)
+        engines.append(in_fresh_process(run_engine, model, args, kvt, prompts,
+                                        bool(args.redis_url)))
+    tiers = [t for t in TIERS if t != "redis" or args.redis_url]
+    report(args, model, lengths, tiers, engines)
+
+
+def report(args, model: str, lengths: list[int], tiers: list[str],
+           engines: list[dict]) -> None:
+    loaded = [t for t in tiers if t != "vllm"]
+    ratios: dict[str, dict[int, list[float]]] = {t: {n: [] for n in lengths} for t in loaded}
+    per_engine: dict[str, dict[int, list[float]]] = {t: {n: [] for n in lengths}
+                                                     for t in loaded}
+    secs: dict[str, dict[int, list[float]]] = {t: {n: [] for n in lengths} for t in tiers}
+    phases: dict[str, dict[int, dict[str, float]]] = {t: {n: {} for n in lengths}
+                                                      for t in loaded}
+    differ: list[str] = []
+    for e, runs in enumerate(engines):
+        for n in lengths:
+            recs = runs[n]
+            for t in tiers:
+                secs[t][n] += [r[t]["s"] for r in recs]
+            for t in loaded:
+                mine = [r[t]["s"] / r["vllm"]["s"] for r in recs]
+                ratios[t][n] += mine
+                per_engine[t][n].append(statistics.median(mine))
+                for r in recs:
+                    for k, v in r[t]["phases"].items():
+                        phases[t][n][k] = phases[t][n].get(k, 0.0) + v / (
+                            len(recs) * len(engines))
+                    if r[t]["token"] != r["vllm"]["token"]:
+                        differ.append(f"engine {e}, {n} tokens, {t}")
+    med = {t: {n: statistics.median(ratios[t][n]) for n in lengths} for t in loaded}
+    print(f"\na hit against vLLM's own hit of the same prompt in the same engine; {model} "
+          f"({args.dtype}), {args.prompts} prompts x {len(engines)} engines per length")
+    print(f"{'tokens':>7} {'vLLM hit':>10} " + " ".join(
+        f"{t + ' hit':>12} {'ratio':>7} {'per engine':>22}" for t in loaded))
+    for n in lengths:
+        cells = [f"{statistics.median(secs['vllm'][n]) * 1000:>8.2f}ms"]
+        for t in loaded:
+            spread = ", ".join(f"{x:.2f}" for x in per_engine[t][n])
+            cells.append(f"{statistics.median(secs[t][n]) * 1000:>10.2f}ms "
+                         f"{med[t][n]:>6.3f}x {spread:>22}")
+        print(f"{n:>7} " + " ".join(cells))
+    print("goals: " + ", ".join(f"{t} at most {g}x" for t, g in GOALS.items() if t in loaded))
+    print("first tokens: " + ("all equal to vLLM's own hit's" if not differ
+                              else "DIFFER in " + "; ".join(differ)))
+    print("where a hit's time went (ms per hit, the connector's phase timers):")
+    for t in loaded:
+        for n in lengths:
+            parts = sorted(phases[t][n].items(), key=lambda kv: -kv[1])[:6]
+            print(f"  {t}, {n} tokens: " + ", ".join(f"{k} {v * 1000:.2f}" for k, v in parts))
+    out = write_results(args.out, "hit_paired", {
+        "model": model, "dtype": args.dtype, "lengths": lengths, "prompts": args.prompts,
+        "engines": len(engines), "redis_cpus": getattr(args, "redis_cpus_used", None),
+        "ratio_median": med, "ratio_per_engine": per_engine, "ratios": ratios,
+        "seconds": secs, "phases_per_hit_s": phases, "tokens_differ": differ})
+    print(f"results: {out}")
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for t, color in zip(loaded, ("tab:red", "tab:blue"), strict=False):
+        ax.plot(lengths, [med[t][n] for n in lengths], marker="o", color=color,
+                label=f"{t} hit")
+        for n in lengths:
+            ax.scatter([n] * len(per_engine[t][n]), per_engine[t][n], color=color, alpha=0.35,
+                       s=14)
+        if t in GOALS:
+            ax.axhline(GOALS[t], color=color, ls="--", lw=0.8, label=f"{t} goal ({GOALS[t]}x)")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("hit TTFT / vLLM's own hit, same engine")
+    ax.set_title(f"Paired hits ({model.rstrip('/').split('/')[-1]}, {args.dtype}); "
+                 "dots: engines")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    plot = args.plot or out.with_suffix(".png")
+    fig.savefig(plot, dpi=120)
+    print(f"plot: {plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -37,20 +37,16 @@ def _ids(chunks) -> torch.Tensor:
 
 # Consecutive slots with consecutive blocks: one run for 3 chunks, then a partial chunk.
 WHOLE = [(1, [0, 1, 2]), (2, [3, 4, 5]), (3, [6, 7, 8]), (4, [9, 10, -1])]
-# Blocks as vLLM hands them out once blocks were freed: descending, across chunks too.
+# Blocks as vLLM hands them out once its cache has cycled (it frees a request's blocks last
+# first): descending, across chunks too.
 DESCENDING = [(0, [11, 10, 9]), (2, [8, 7, 6]), (1, [5, 4, -1]), (3, [2, 1, 0])]
 
 
 def test_runs_merge_consecutive_blocks_and_skip_holes():
     assert block_runs(CHUNKS) == [
-        Run(4, 0, 0, 3), Run(1, 0, 7, 3, step=-1), Run(0, 0, 3, 1), Run(0, 2, 4, 1),
-        Run(3, 0, 8, 2), Run(3, 2, 11, 1)]
+        Run(4, 0, 0, 3), Run(1, 0, 7, 1), Run(1, 1, 6, 1), Run(1, 2, 5, 1), Run(0, 0, 3, 1),
+        Run(0, 2, 4, 1), Run(3, 0, 8, 2), Run(3, 2, 11, 1)]
     assert block_runs(WHOLE) == [Run(1, 0, 0, 3, slots=3), Run(4, 0, 9, 2)]
-    assert block_runs(DESCENDING) == [  # never merged across slots
-        Run(0, 0, 11, 3, step=-1), Run(2, 0, 8, 3, step=-1), Run(1, 0, 5, 2, step=-1),
-        Run(3, 0, 2, 3, step=-1)]
-    assert Run(1, 0, 7, 3, step=-1).ascending() == [Run(1, 0, 7, 1), Run(1, 1, 6, 1),
-                                                     Run(1, 2, 5, 1)]
 
 
 @pytest.mark.parametrize("chunks", [CHUNKS, WHOLE, DESCENDING],
@@ -102,8 +98,6 @@ def test_out_of_range_blocks_are_refused():
         PagedCopier(layers, layout).scatter(_pool(layers, layout), [Run(0, 0, 11, 2)])
     with pytest.raises(IndexError):
         PagedCopier(layers, layout).scatter(_pool(layers, layout), [Run(4, 0, 0, 1, slots=2)])
-    with pytest.raises(IndexError):  # descending from block 1: blocks 1, 0, -1
-        PagedCopier(layers, layout).scatter(_pool(layers, layout), [Run(0, 0, 1, 3, step=-1)])
 
 
 @pytest.mark.parametrize("num_layers", [1, 3])
@@ -178,28 +172,3 @@ def test_layer_scatter_copies_only_the_layers_asked_and_in_groups_equals_scatter
     copy(2, 3)
     for w, g in zip(want, got, strict=True):
         assert torch.equal(w, g)
-
-
-def test_descending_blocks_of_a_chunk_move_as_one_reversed_copy():
-    """CPU pages: a chunk whose blocks vLLM handed out in descending order is one reversed
-    pair, not a copy per block; never merged across slots, and reversed when copied, so a
-    layer load that fills its slots after building its copies still moves the slots' bytes."""
-    want, layout = _setup("cpu-pages", torch.float32)
-    got, _ = _setup("cpu-pages", torch.float32)
-    copier = PagedCopier(got, layout)
-    pool = torch.zeros_like(_pool(want, layout))
-    copies = copier._pairs(pool, block_runs(DESCENDING))
-    assert copies.flipped == [True] * 4
-    assert [t.shape[1] for t in copies.paged] == [3, 3, 2, 3]
-    copy = copier.layer_scatter(pool, block_runs(DESCENDING))
-    pool.copy_(_pool(want, layout))  # the slots fill only now
-    reference.scatter(pool[[s for s, _ in DESCENDING]], layout, _ids(DESCENDING), want)
-    copy(0, 1)
-    copy(1, 2)
-    assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
-    back = torch.zeros_like(pool)
-    copier.gather(back, block_runs(DESCENDING))
-    slots = [s for s, _ in DESCENDING]
-    expect = torch.zeros_like(pool[slots])
-    reference.gather(got, layout, _ids(DESCENDING), expect)
-    assert torch.equal(back[slots], expect)

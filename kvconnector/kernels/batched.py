@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -36,26 +36,13 @@ HELPER_MIN_BYTES = 16 << 20
 class Run:
     """Kernel blocks ``first .. first + count - 1`` of the chunks in ``slots`` consecutive
     slots from ``slot`` <-> ``slots * count`` consecutive blocks of every layer from
-    ``block``; with ``step`` -1 (one slot), the chunk's blocks sit in kernel blocks
-    ``block, block - 1, ..., block - count + 1``: vLLM hands out freed blocks in
-    descending order."""
+    ``block``."""
 
     slot: int
     first: int
     block: int
     count: int
     slots: int = 1
-    step: int = 1
-
-    @property
-    def lowest(self) -> int:
-        return self.block if self.step == 1 else self.block - self.count + 1
-
-    def ascending(self) -> list[Run]:
-        """The run as runs of step 1: itself, or one a block."""
-        if self.step == 1:
-            return [self]
-        return [Run(self.slot, self.first + k, self.block - k, 1) for k in range(self.count)]
 
 
 def block_runs(chunks: Iterable[tuple[int, Sequence[int]]]) -> list[Run]:
@@ -70,16 +57,13 @@ def block_runs(chunks: Iterable[tuple[int, Sequence[int]]]) -> list[Run]:
             if b < 0:
                 j += 1
                 continue
-            step = -1 if j + 1 < n and ids[j + 1] == b - 1 else 1
             end = j + 1
-            while end < n and ids[end] == b + step * (end - j):
+            while end < n and ids[end] == b + end - j:
                 end += 1
             prev = out[-1] if out else None
-            if step == -1:
-                out.append(Run(slot, j, b, end - j, step=-1))
-            elif (prev is not None and prev.step == 1 and prev.first == j
-                  and prev.count == end - j and slot == prev.slot + prev.slots
-                  and b == prev.block + prev.slots * prev.count):
+            if (prev is not None and prev.first == j and prev.count == end - j
+                    and slot == prev.slot + prev.slots
+                    and b == prev.block + prev.slots * prev.count):
                 out[-1] = Run(prev.slot, j, prev.block, prev.count, prev.slots + 1)
             else:
                 out.append(Run(slot, j, b, end - j))
@@ -140,49 +124,52 @@ class PagedCopier:
         if helper_cores and torch.get_num_threads() == 1:
             self._helper = threads.pool("kvconnector-load-helper", set(helper_cores))
 
-    def _pairs(self, pool: torch.Tensor, runs: Sequence[Run]) -> Copies:
+    def _pairs(self, pool: torch.Tensor, runs: Sequence[Run]
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if self._pages is not None:
             pages = _slot_pages(pool, self._pages)
             if pages is not None:
                 return self._page_pairs(pages, runs)
         k, _, n, h, d = self.layout.sizes
-        out = Copies()
+        paged: list[torch.Tensor] = []
+        chunk: list[torch.Tensor] = []
         stacks = [self._stack] if self._stack is not None else [v[None] for v in self._views]
         for li, stack in enumerate(stacks):
             layers = stack.shape[0]
             lo = li if self._stack is None else 0
-            for r in (a for run in runs for a in run.ascending()):
+            for r in runs:
                 m, c = r.slots, r.count
+                paged.append(stack[:, :, r.block:r.block + m * c].view(layers, k, m, c, n, h, d))
                 src = pool[r.slot:r.slot + m, lo:lo + layers, :, r.first * n:(r.first + c) * n]
-                out.add(stack[:, :, r.block:r.block + m * c].view(layers, k, m, c, n, h, d),
-                        src.view(m, layers, k, c, n, h, d).permute(1, 2, 0, 3, 4, 5, 6))
-        return out
+                chunk.append(src.view(m, layers, k, c, n, h, d).permute(1, 2, 0, 3, 4, 5, 6))
+        return paged, chunk
 
-    def _page_pairs(self, pool: torch.Tensor, runs: Sequence[Run]) -> Copies:
-        """``_pairs`` for whole pages: views of rank 3 or 4 instead of 7, and a descending
-        run as one reversed pair (copied block by block, a 16000-token tiny-model load
-        took 5.9 ms against 0.7 ms in ascending blocks)."""
+    def _page_pairs(self, pool: torch.Tensor, runs: Sequence[Run]
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``_pairs`` for whole pages: views of rank 3 or 4 instead of 7. vLLM often hands a
+        request its blocks in descending order, so every block is a run of its own, and
+        building the 7-dimensional views took as long as copying a tiny model's pages."""
         assert self._pages is not None
         layers = self._pages.shape[0]
-        out = Copies()
+        paged: list[torch.Tensor] = []
+        chunk: list[torch.Tensor] = []
         for r in runs:
             m, c = r.slots, r.count
-            dst = self._pages[:, r.lowest:r.lowest + m * c]
-            if r.step == -1:
-                out.add(dst, pool[r.slot, :, r.first:r.first + c], flipped=True)
-            elif m == 1:
-                out.add(dst, pool[r.slot, :, r.first:r.first + c])
+            dst = self._pages[:, r.block:r.block + m * c]
+            if m == 1:
+                paged.append(dst)
+                chunk.append(pool[r.slot, :, r.first:r.first + c])
             else:
-                out.add(dst.view(layers, m, c, -1),
-                        pool[r.slot:r.slot + m, :, r.first:r.first + c].transpose(0, 1))
-        return out
+                paged.append(dst.view(layers, m, c, -1))
+                chunk.append(pool[r.slot:r.slot + m, :, r.first:r.first + c].transpose(0, 1))
+        return paged, chunk
 
     def _check(self, pool: torch.Tensor, runs: Sequence[Run]) -> None:
         blocks = self.layout.num_blocks
         for r in runs:
-            last = r.lowest + r.slots * r.count - 1
-            if not (0 <= r.lowest and last < blocks):
-                raise IndexError(f"blocks {r.lowest}..{last} outside the {blocks} kernel "
+            last = r.block + r.slots * r.count - 1
+            if not (0 <= r.block and last < blocks):
+                raise IndexError(f"blocks {r.block}..{last} outside the {blocks} kernel "
                                  "blocks of the KV cache")
             if not (0 <= r.slot and r.slot + r.slots <= pool.shape[0]):
                 raise IndexError(f"slots {r.slot}..{r.slot + r.slots - 1} outside the pool")
@@ -191,14 +178,15 @@ class PagedCopier:
         """Chunk bytes -> paged blocks (half of the layers on the helper, if there is one
         and the load is big enough to repay handing it over)."""
         self._check(pool, runs)
-        copies = self._pairs(pool, runs)
-        if self._helper is None or copies.chunk_bytes() < HELPER_MIN_BYTES:
-            copies.to_paged()
+        paged, chunk = self._pairs(pool, runs)
+        if self._helper is None or \
+                sum(t.numel() for t in chunk) * pool.element_size() < HELPER_MIN_BYTES:
+            _copy_all(paged, chunk)
             return
-        mine, theirs = copies.halves()
-        other = self._helper.submit(theirs.to_paged)
+        (dst_a, dst_b), (src_a, src_b) = _halves(paged), _halves(chunk)
+        other = self._helper.submit(_copy_all, dst_b, src_b)
         try:
-            mine.to_paged()
+            _copy_all(dst_a, src_a)
         finally:
             other.result()  # its error, if any, is the load's
 
@@ -207,11 +195,11 @@ class PagedCopier:
         """``scatter`` a few layers at a time, on the calling thread: the function returned
         copies layers ``first``..``last - 1`` of every run."""
         self._check(pool, runs)
-        copies = self._pairs(pool, runs)
+        paged, chunk = self._pairs(pool, runs)
         n = len(self.layers)
 
         def copy(first: int, last: int) -> None:
-            copies.layers(first, last, n).to_paged()
+            _copy_all(_layers(paged, first, last, n), _layers(chunk, first, last, n))
         return copy
 
     def close(self) -> None:
@@ -221,72 +209,30 @@ class PagedCopier:
     def gather(self, pool: torch.Tensor, runs: Sequence[Run]) -> None:
         """Paged blocks -> chunk bytes (blocks of the chunks not in a run are untouched)."""
         self._check(pool, runs)
-        self._pairs(pool, runs).to_chunk()
+        paged, chunk = self._pairs(pool, runs)
+        _copy_all(chunk, paged)
 
 
-@dataclass
-class Copies:
-    """Pairs of views between vLLM's KV (``paged``) and pool slots (``chunk``). A pair in
-    ``flipped`` holds its blocks in opposite orders on the two sides (dim 1): it is copied
-    from a reversed copy of its source, made at copy time (a layer load fills the slots
-    after the pairs are built)."""
-
-    paged: list[torch.Tensor] = field(default_factory=list)
-    chunk: list[torch.Tensor] = field(default_factory=list)
-    flipped: list[bool] = field(default_factory=list)
-
-    def add(self, paged: torch.Tensor, chunk: torch.Tensor, flipped: bool = False) -> None:
-        self.paged.append(paged)
-        self.chunk.append(chunk)
-        self.flipped.append(flipped)
-
-    def chunk_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.chunk)
-
-    def to_paged(self) -> None:
-        _copy_all(self.paged, self.chunk, self.flipped)
-
-    def to_chunk(self) -> None:
-        _copy_all(self.chunk, self.paged, self.flipped)
-
-    def _select(self, keep: Callable[[torch.Tensor], torch.Tensor | None]) -> Copies:
-        out = Copies()
-        for p, c, f in zip(self.paged, self.chunk, self.flipped, strict=True):
-            pp, cc = keep(p), keep(c)
-            if pp is not None and cc is not None:
-                out.add(pp, cc, f)
-        return out
-
-    def _per_layer(self) -> bool:
-        """Per-layer views (one list entry per layer and run), not stacked ones."""
-        return len(self.paged) > 1 and all(t.shape[0] == 1 for t in self.paged)
-
-    def halves(self) -> tuple[Copies, Copies]:
-        """The copies split in two by layer: per-layer views by list, stacked ones by dim 0."""
-        if self._per_layer():
-            mid = len(self.paged) // 2
-            return (Copies(self.paged[:mid], self.chunk[:mid], self.flipped[:mid]),
-                    Copies(self.paged[mid:], self.chunk[mid:], self.flipped[mid:]))
-        return (self._select(lambda t: t[:t.shape[0] // 2] if t.shape[0] > 1 else None),
-                self._select(lambda t: t[t.shape[0] // 2:]))
-
-    def layers(self, first: int, last: int, num_layers: int) -> Copies:
-        """Layers ``first``..``last - 1``: per-layer views (layer-major, a run each) by
-        list, stacked ones by dim 0."""
-        if num_layers > 1 and self._per_layer():
-            per = len(self.paged) // num_layers
-            sl = slice(first * per, last * per)
-            return Copies(self.paged[sl], self.chunk[sl], self.flipped[sl])
-        return self._select(lambda t: t[first:last])
+def _halves(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The copies split in two by layer: per-layer views by list, stacked ones by dim 0."""
+    if len(tensors) > 1 and all(t.shape[0] == 1 for t in tensors):
+        mid = len(tensors) // 2
+        return tensors[:mid], tensors[mid:]
+    return ([t[:t.shape[0] // 2] for t in tensors if t.shape[0] > 1],
+            [t[t.shape[0] // 2:] for t in tensors])
 
 
-def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor], flipped: list[bool]) -> None:
-    if any(flipped):
-        for d, s, f in zip(dst, src, flipped, strict=True):
-            if f:
-                d.copy_(s.flip(1))
-        dst = [d for d, f in zip(dst, flipped, strict=True) if not f]
-        src = [s for s, f in zip(src, flipped, strict=True) if not f]
+def _layers(tensors: list[torch.Tensor], first: int, last: int,
+            num_layers: int) -> list[torch.Tensor]:
+    """Layers ``first``..``last - 1`` of the copies: per-layer views (layer-major, a run
+    each) by list, stacked ones by dim 0."""
+    if num_layers > 1 and all(t.shape[0] == 1 for t in tensors):
+        per = len(tensors) // num_layers
+        return tensors[first * per:last * per]
+    return [t[first:last] for t in tensors]
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     if not dst:
         return
     foreach = getattr(torch, "_foreach_copy_", None)

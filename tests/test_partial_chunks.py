@@ -269,3 +269,19 @@ def test_a_step_that_schedules_nothing_waits_for_the_redis_answers(half, monkeyp
     finally:
         redis.gate.set()
         half.prefix.lookups.shutdown()
+
+
+def test_a_request_that_opts_out_neither_loads_nor_stores(half):
+    """``kv_transfer_params: {"kvconnector": false}``: the chunks held for its prompt are
+    not offered, and none of its own are stored."""
+    a = FakeRequest("a", prompt(1, 100))
+    run_request(half, a, list(range(10, 18)), outputs=2)
+    half.build_meta(step_output({}, {}))
+    out = FakeRequest("out", prompt(1, 100), params={"kvconnector": False})
+    assert half.get_num_new_matched_tokens(out, 0) == (0, False)
+    fresh = FakeRequest("fresh", prompt(3, 100), params={"kvconnector": False})
+    plans = run_request(half, fresh, list(range(40, 48)), outputs=5)
+    plans.append(half.build_meta(step_output({}, {})))
+    assert saved(plans) == [] and not any(p.finished_saves for p in plans)
+    again = FakeRequest("again", prompt(1, 100), params={"kvconnector": True})
+    assert half.get_num_new_matched_tokens(again, 0) == (96, False)

@@ -27,3 +27,16 @@ def test_lora_requests_are_not_cached():
 
 def test_prompt_embeddings_are_not_cached():
     assert uncacheable_reason(_request(prompt_embeds=torch.zeros(3, 8))) == "prompt embeddings"
+
+
+def test_a_request_can_keep_out_of_the_cache(caplog):
+    def with_params(params):
+        sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
+        return Request("r", [1, 2, 3], sp, None)
+
+    assert uncacheable_reason(with_params({"kvconnector": False})) == \
+        "kv_transfer_params: kvconnector false"
+    assert uncacheable_reason(with_params({"kvconnector": True})) is None
+    assert uncacheable_reason(with_params({"blend": True})) is None
+    assert uncacheable_reason(with_params({"kvconnector": "no"})) is None  # ignored, said
+    assert "expected true or false" in caplog.text

@@ -136,8 +136,22 @@ def tp_rank() -> int:
     return get_tensor_model_parallel_rank()
 
 
+# ``kv_transfer_params`` key: ``false`` keeps a request out of kvconnector's tiers.
+OPT_OUT_KEY = "kvconnector"
+
+
 def uncacheable_reason(request: Request) -> str | None:
-    """Why a request's KV must not be shared by token ids alone, if it must not."""
+    """Why a request's KV must not be shared by token ids alone, if it must not, or why it
+    asked to stay out of the cache (``kv_transfer_params``: ``{"kvconnector": false}``:
+    nothing of it is looked up or stored)."""
+    params = getattr(request, "kv_transfer_params", None)
+    if isinstance(params, dict) and OPT_OUT_KEY in params:
+        if params[OPT_OUT_KEY] is False:
+            return "kv_transfer_params: kvconnector false"
+        if params[OPT_OUT_KEY] is not True:
+            logger.warning("kvconnector: ignoring kv_transfer_params %s=%r of request %s: "
+                           "expected true or false", OPT_OUT_KEY, params[OPT_OUT_KEY],
+                           request.request_id)
     if request.lora_request is not None:
         return "LoRA adapter"
     if request.mm_features:

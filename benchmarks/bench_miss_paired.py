@@ -1,0 +1,160 @@
+"""What a miss costs, measured inside one engine: new prompts that use kvconnector against
+new prompts that opt out of it (``kv_transfer_params: {"kvconnector": false}``).
+
+    python benchmarks/bench_miss_paired.py                 # tiny Mistral, 1k-16k tokens
+    python benchmarks/bench_miss_paired.py --model .cache/smollm2 --lengths 1024,4096,8000
+
+``bench_miss.py`` compares engines with and without the connector, and two engines of one
+configuration differ by more than the 3% the goal allows (section 21 of
+docs/benchmarks.md). Here each engine has kvconnector attached and serves, per length,
+blocks of ``--block`` new prompts one at a time: a block that uses kvconnector (its lookups
+run, every chunk is saved and queued for Redis or the disk) and a block that opts out (the
+connector's hooks still run, and do nothing for it), taking turns ``--pairs`` times. A
+save runs after its request's step, so its cost lands on the next request of the block, as
+in a stream of misses; the first request of each block follows the other kind and is left
+out. The ratio is an engine's median TTFT of the requests that use kvconnector over its
+median of those that opt out; per length the median over the engines.
+
+What vLLM's connector machinery costs a request whatever the connector does is in both
+halves, so it does not show here; ``bench_miss.py`` measures it between engines
+(``vLLM alone``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+
+from common import (
+    ROOT,
+    add_model_args,
+    connector,
+    engine,
+    in_fresh_process,
+    pyplot,
+    random_prompt,
+    redis_for,
+    resolve_model,
+    write_results,
+)
+
+GOAL = 1.03
+KINDS = ("kvconnector", "opted out")
+
+
+def run_engine(model: str, args, kvt: dict, lengths: list[int], seed: int,
+               vocab: int) -> dict:
+    """Per length and kind, the TTFT of every request but the first of each block."""
+    from vllm import SamplingParams
+
+    params = {
+        "kvconnector": SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+        "opted out": SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
+                                    extra_args={"kv_transfer_params": {"kvconnector": False}}),
+    }
+    rng = random.Random(seed)
+    out: dict[int, dict[str, list[float]]] = {}
+    with engine(model, args, kvt, max(lengths) + 16, enable_prefix_caching=True) as llm:
+        llm.generate([{"prompt_token_ids": random_prompt(rng, 300, vocab)}],
+                     params["opted out"], use_tqdm=False)
+        for n in lengths:
+            out[n] = {k: [] for k in KINDS}
+            for pair in range(args.pairs):
+                for kind in (KINDS if pair % 2 == 0 else KINDS[::-1]):
+                    for i in range(args.block):
+                        prompt = {"prompt_token_ids": random_prompt(rng, n, vocab)}
+                        start = time.perf_counter()
+                        outs = llm.generate([prompt], params[kind], use_tqdm=False)
+                        secs = time.perf_counter() - start
+                        assert (outs[0].num_cached_tokens or 0) == 0, "a new prompt hit a cache"
+                        if i:
+                            out[n][kind].append(secs)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.set_defaults(dtype="bfloat16", redis=True)
+    p.add_argument("--no-redis", dest="redis", action="store_false")
+    p.add_argument("--no-disk", dest="disk", action="store_false")
+    # 16000, not 16384: the tiny model's 16384 positions also hold the generated token.
+    p.add_argument("--lengths", default="1024,4096,16000")
+    p.add_argument("--block", type=int, default=5, help="requests of one kind in a row")
+    p.add_argument("--pairs", type=int, default=2, help="blocks of each kind per length")
+    p.add_argument("--engines", type=int, default=2, help="engines per tier")
+    p.add_argument("--plot", default=None)
+    with redis_for(p.parse_args()) as args:
+        (ROOT / ".cache").mkdir(exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=ROOT / ".cache", prefix="bench-miss-disk-") as d:
+            bench(args, d if args.disk else None)
+
+
+def bench(args, disk_path: str | None) -> None:
+    from tqdm import tqdm
+
+    model, vocab = resolve_model(args)
+    lengths = sorted(int(x) for x in args.lengths.split(","))
+    extra = {"memory_capacity": args.memory_capacity}
+    tiers = {"memory": connector(extra)}
+    if args.redis_url:
+        tiers["memory + Redis"] = connector({**extra, "redis_url": args.redis_url})
+    if disk_path is not None:
+        tiers["memory + disk"] = connector({**extra, "disk_path": disk_path})
+    order = [t for e in range(args.engines) for t in (list(tiers)[e % len(tiers):]
+                                                      + list(tiers)[:e % len(tiers)])]
+    runs: dict[str, list[dict]] = {t: [] for t in tiers}
+    for i, tier in enumerate(tqdm(order, desc="engines")):
+        runs[tier].append(in_fresh_process(run_engine, model, args, tiers[tier], lengths,
+                                           2000 + i, vocab))
+    per_engine = {t: {n: [statistics.median(r[n]["kvconnector"]) /
+                          statistics.median(r[n]["opted out"]) for r in runs[t]]
+                      for n in lengths} for t in tiers}
+    ratio = {t: {n: statistics.median(per_engine[t][n]) for n in lengths} for t in tiers}
+    opted = {t: {n: statistics.median([s for r in runs[t] for s in r[n]["opted out"]])
+                 for n in lengths} for t in tiers}
+    print(f"\na miss that uses kvconnector against one that opts out, in the same engine; "
+          f"{model} ({args.dtype}); {args.pairs} x {args.block - 1} requests of each kind "
+          f"per length and engine, {args.engines} engines per tier; goal at most {GOAL}x")
+    print(f"{'tokens':>7} " + " ".join(f"{t:>34}" for t in tiers))
+    for n in lengths:
+        cells = [f"{ratio[t][n]:.3f}x ({', '.join(f'{x:.3f}' for x in per_engine[t][n])}; "
+                 f"{opted[t][n] * 1000:.1f} ms)" for t in tiers]
+        print(f"{n:>7} " + " ".join(f"{c:>34}" for c in cells))
+    print("(per engine in brackets, then the median TTFT of the requests that opted out)")
+    out = write_results(args.out, "miss_paired", {
+        "model": model, "dtype": args.dtype, "lengths": lengths, "block": args.block,
+        "pairs": args.pairs, "engines": args.engines, "order": order,
+        "redis_cpus": getattr(args, "redis_cpus_used", None), "ratio": ratio,
+        "ratio_per_engine": per_engine, "opted_out_median_s": opted, "ttft_s": runs})
+    print(f"results: {out}")
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for t in tiers:
+        line = ax.plot(lengths, [ratio[t][n] for n in lengths], marker="o", label=t)[0]
+        for n in lengths:
+            ax.scatter([n] * len(per_engine[t][n]), per_engine[t][n], color=line.get_color(),
+                       alpha=0.35, s=14)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.axhline(GOAL, color="red", ls="--", lw=0.8, label=f"goal ({GOAL}x)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("miss TTFT / opted out, same engine")
+    ax.set_title(f"Paired misses ({model.rstrip('/').split('/')[-1]}, {args.dtype}); "
+                 "dots: engines")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    plot = args.plot or out.with_suffix(".png")
+    fig.savefig(plot, dpi=120)
+    print(f"plot: {plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -155,6 +155,9 @@ def engine(model: str, args, kv_transfer_config: dict | None, max_model_len: int
     try:
         yield llm
     finally:
+        # Shut the engine's processes down here: a caller that still holds the LLM when its
+        # process exits (a spawned benchmark child) otherwise waits for them forever.
+        llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
 

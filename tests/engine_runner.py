@@ -410,8 +410,10 @@ def _main(spec_path: str, out_path: str) -> None:
     for step in spec["steps"]:
         op = step["op"]
         if op == "generate":
+            extra = ({"kv_transfer_params": step["kv_transfer_params"]}
+                     if "kv_transfer_params" in step else None)
             sp = SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8),
-                                ignore_eos=True)
+                                ignore_eos=True, extra_args=extra)
             outs = []
             for p in step["prompts"]:
                 start = time.perf_counter()

@@ -125,6 +125,27 @@ def test_corrupt_value_in_redis_is_detected_and_recomputed(tiny_model, tmp_path_
     assert out["tokens"] == fp32_baseline["P1"]
 
 
+def test_a_request_that_opts_out_stores_and_loads_nothing(tiny_model, tmp_path_factory,
+                                                          fp32_baseline):
+    """``kv_transfer_params: {"kvconnector": false}`` keeps a request out of the cache;
+    the requests around it are cached as usual."""
+    out = {"kvconnector": False}
+    res = run_engine(tmp_path_factory.mktemp("opt-out"), {
+        "model": tiny_model, "connector": MEM, "steps": [
+            {"op": "generate", "prompts": [P1], "kv_transfer_params": out},  # 0
+            {"op": "totals"},  # 1: nothing stored
+            {"op": "generate", "prompts": [P1]},  # 2: a miss: stores P1
+            {"op": "generate", "prompts": [P1], "kv_transfer_params": out},  # 3: not loaded
+            {"op": "totals"},  # 4
+            {"op": "generate", "prompts": [P1]},  # 5: loaded
+        ]})
+    assert res[1]["saved_chunks"] == 0
+    assert res[4]["saved_chunks"] == 3 and res[4]["loaded_chunks"] == 0
+    assert res[0][0]["cached"] == res[2][0]["cached"] == res[3][0]["cached"] == 0
+    assert res[5][0]["cached"] == P1_HIT
+    assert all(res[i][0]["tokens"] == fp32_baseline["P1"] for i in (0, 2, 3, 5))
+
+
 def test_chat_turn2_reuses_turn1_prompt_and_answer(fp32_run, fp32_baseline):
     results, t2, turn2 = fp32_run
     assert results[10][0]["tokens"] == fp32_baseline["T1"]

@@ -37,8 +37,8 @@ from common import (
     connector_seconds,
     engine,
     in_fresh_process,
-    pyplot,
     random_prompt,
+    ratio_plot,
     redis_for,
     resolve_model,
     timed_generate,
@@ -181,31 +181,13 @@ def report(args, model: str, lengths: list[int], tiers: list[str],
         "ratio_median": med, "ratio_per_engine": per_engine, "ratios": ratios,
         "seconds": secs, "phases_per_hit_s": phases, "tokens_differ": differ})
     print(f"results: {out}")
-    plt = pyplot()
-    if plt is None:
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for t, color in zip(loaded, ("tab:red", "tab:blue"), strict=False):
-        ax.plot(lengths, [med[t][n] for n in lengths], marker="o", color=color,
-                label=f"{t} hit")
-        for n in lengths:
-            ax.scatter([n] * len(per_engine[t][n]), per_engine[t][n], color=color, alpha=0.35,
-                       s=14)
-        if t in GOALS:
-            ax.axhline(GOALS[t], color=color, ls="--", lw=0.8, label=f"{t} goal ({GOALS[t]}x)")
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("hit TTFT / vLLM's own hit, same engine")
-    ax.set_title(f"Paired hits ({model.rstrip('/').split('/')[-1]}, {args.dtype}); "
-                 "dots: engines")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    plot = args.plot or out.with_suffix(".png")
-    fig.savefig(plot, dpi=120)
-    print(f"plot: {plot}")
-
+    ratio_plot(args.plot or out.with_suffix(".png"), lengths,
+               {f"{t} hit": med[t] for t in loaded},
+               dots={f"{t} hit": per_engine[t] for t in loaded},
+               goals={f"{t} goal ({g}x)": g for t, g in GOALS.items() if t in loaded},
+               ylabel="hit TTFT / vLLM's own hit, same engine",
+               title=f"Paired hits ({model.rstrip('/').split('/')[-1]}, {args.dtype}); "
+                     "dots: engines")
 
 if __name__ == "__main__":
     main()

@@ -34,8 +34,8 @@ from common import (
     engine,
     in_fresh_process,
     local_redis,
-    pyplot,
     random_prompt,
+    ratio_plot,
     redis_for,
     resolve_model,
     timed_generate,
@@ -148,25 +148,11 @@ def bench(args, disk_path: str | None) -> None:
         "redis_cpus": getattr(args, "redis_cpus_used", None), "ttft_s": ttft, "median_s": med,
         "ratio": ratio, "per_engine_median_s": rounds, "connector_seconds": phases})
     print(f"results: {out}")
-    plt = pyplot()
-    if plt is None:
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for c in names[1:]:
-        ax.plot(lengths, [ratio[c][n] for n in lengths], marker="o", label=c)
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.axhline(GOAL, color="red", ls="--", lw=0.8, label=f"goal ({GOAL}x)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel(f"miss TTFT / {ALONE}")
-    ax.set_title(f"A miss against {ALONE} ({model.rstrip('/').split('/')[-1]}, {args.dtype})")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    plot = args.plot or out.with_suffix(".png")
-    fig.savefig(plot, dpi=120)
-    print(f"plot: {plot}")
-
+    ratio_plot(args.plot or out.with_suffix(".png"), lengths,
+               {c: ratio[c] for c in names[1:]}, goals={f"goal ({GOAL}x)": GOAL},
+               ylabel=f"miss TTFT / {ALONE}",
+               title=f"A miss against {ALONE} ({model.rstrip('/').split('/')[-1]}, "
+                     f"{args.dtype})")
 
 if __name__ == "__main__":
     main()

@@ -34,8 +34,8 @@ from common import (
     connector,
     engine,
     in_fresh_process,
-    pyplot,
     random_prompt,
+    ratio_plot,
     redis_for,
     resolve_model,
     write_results,
@@ -132,29 +132,10 @@ def bench(args, disk_path: str | None) -> None:
         "redis_cpus": getattr(args, "redis_cpus_used", None), "ratio": ratio,
         "ratio_per_engine": per_engine, "opted_out_median_s": opted, "ttft_s": runs})
     print(f"results: {out}")
-    plt = pyplot()
-    if plt is None:
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for t in tiers:
-        line = ax.plot(lengths, [ratio[t][n] for n in lengths], marker="o", label=t)[0]
-        for n in lengths:
-            ax.scatter([n] * len(per_engine[t][n]), per_engine[t][n], color=line.get_color(),
-                       alpha=0.35, s=14)
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.axhline(GOAL, color="red", ls="--", lw=0.8, label=f"goal ({GOAL}x)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("miss TTFT / opted out, same engine")
-    ax.set_title(f"Paired misses ({model.rstrip('/').split('/')[-1]}, {args.dtype}); "
-                 "dots: engines")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    plot = args.plot or out.with_suffix(".png")
-    fig.savefig(plot, dpi=120)
-    print(f"plot: {plot}")
-
+    ratio_plot(args.plot or out.with_suffix(".png"), lengths, ratio, dots=per_engine,
+               goals={f"goal ({GOAL}x)": GOAL}, ylabel="miss TTFT / opted out, same engine",
+               title=f"Paired misses ({model.rstrip('/').split('/')[-1]}, {args.dtype}); "
+                     "dots: engines")
 
 if __name__ == "__main__":
     main()

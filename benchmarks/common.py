@@ -215,6 +215,34 @@ def pyplot():
     return plt
 
 
+def ratio_plot(path, lengths: list[int], lines: dict[str, dict[int, float]], *,
+               ylabel: str, title: str, goals: dict[str, float],
+               dots: dict[str, dict[int, list[float]]] | None = None) -> None:
+    """Ratios against prompt length, one line per entry of ``lines`` (and its ``dots``,
+    e.g. each engine's own), a dashed line per goal, saved to ``path``."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, ratio in lines.items():
+        line = ax.plot(lengths, [ratio[n] for n in lengths], marker="o", label=name)[0]
+        for n in lengths:
+            points = (dots or {}).get(name, {}).get(n, [])
+            ax.scatter([n] * len(points), points, color=line.get_color(), alpha=0.35, s=14)
+    for i, (label, goal) in enumerate(goals.items()):
+        ax.axhline(goal, color=("red", "purple")[i % 2], ls="--", lw=0.8, label=label)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
 def write_results(path: Path | None, name: str, payload: dict) -> Path:
     path = path or ROOT / "docs" / "results" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

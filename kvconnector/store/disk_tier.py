@@ -23,7 +23,7 @@ from kvconnector.store.codec import REASONS, ExpectedChunk, checksum
 from kvconnector.store.disk_files import FULL_ERRNOS, DiskFiles, descriptor_path, file_size
 from kvconnector.store.disk_space import DiskSpace
 from kvconnector.store.memory import SlotPool
-from kvconnector.store.tiering import FLUSH_TIMEOUT_S, PutQueue, SlotBytes
+from kvconnector.store.tiering import FLUSH_TIMEOUT_S, Chunk, PutQueue, SlotBytes
 
 logger = logging.getLogger("kvconnector.store.disk")
 
@@ -69,7 +69,7 @@ class DiskTier:
         self._pause_s = FIRST_PAUSE_S
         self.scan_result = None
         self._fingerprint = fingerprint
-        self._puts = PutQueue("disk", self._put, threads=write_threads, first=self._scan)
+        self._puts = PutQueue("disk", self._put_each, threads=write_threads, first=self._scan)
 
     def expected(self, key: ChunkKey, blocks: int = 0) -> ExpectedChunk:
         return self.bytes.expected(key, blocks)
@@ -155,6 +155,10 @@ class DiskTier:
     @property
     def dropped_puts(self) -> int:
         return self._puts.dropped
+
+    def _put_each(self, chunks: list[Chunk]) -> None:
+        for chunk in chunks:  # one a time from the queue: its threads write in parallel
+            self._put(*chunk)
 
     def _put(self, slot: int, key: ChunkKey, blocks: int) -> None:
         if time.monotonic() < self._paused_until:

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_hit_paired.py                 # tiny Mistral, bf16, 1k-16k tokens
     python benchmarks/bench_hit_paired.py --model .cache/smollm2 --lengths 2048,4096
+    python benchmarks/bench_hit_paired.py --disk          # a disk hit instead of a Redis hit
 
 ``bench_peers.py`` compares engines: each configuration runs in engines of its own, and two
 engines of one configuration differ by 10-15% on this machine, more than the 5% the memory
@@ -15,9 +16,12 @@ another, with kvconnector (memory tier and Redis) attached and vLLM's prefix cac
 3. **memory**: ``reset_prefix_cache()`` empties vLLM's prefix cache (not kvconnector's),
    and the same prompt loads from kvconnector's memory tier.
 
-Each hit follows the same pause and 16-token request (which also flushes the connector's
-timers), as in ``bench_peers.py``. A ratio is a prompt's hit time over its vLLM hit time in
-the same engine; the ratio per length is the median over every prompt and engine. The
+With ``--disk`` the engines have a disk tier instead of Redis, and the first hit reads the
+files a first engine wrote into the same directory.
+
+Each hit follows the same pause (``--pause``) and 16-token request (which also flushes the
+connector's timers), as in ``bench_peers.py``. A ratio is a prompt's hit time over its vLLM
+hit time in the same engine; the ratio per length is the median over every prompt and engine. The
 engine's speed cancels out; what vLLM's connector machinery costs its own hit does not show
 here (``bench_peers.py --floors`` measures that between engines). Every hit's first token
 must equal vLLM's own hit's.
@@ -27,11 +31,14 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import statistics
+import tempfile
 import time
 
-from bench_peers import fill_redis
+from bench_peers import fill_disk, fill_redis
 from common import (
+    ROOT,
     add_model_args,
     connector,
     connector_seconds,
@@ -45,12 +52,12 @@ from common import (
     write_results,
 )
 
-TIERS = ("redis", "vllm", "memory")
+TIERS = ("redis", "disk", "vllm", "memory")
 GOALS = {"memory": 1.05, "redis": 1.25}
 
 
 def run_engine(model: str, args, kvt: dict, prompts: dict[int, list[list[int]]],
-               from_redis: bool) -> dict:
+               lower: str | None) -> dict:
     """Per length, per prompt: each tier's hit time, first token and connector timers."""
     max_len = max(prompts) + 64
     out: dict[int, list[dict]] = {}
@@ -59,7 +66,7 @@ def run_engine(model: str, args, kvt: dict, prompts: dict[int, list[list[int]]],
                 max_num_batched_tokens=max_len, disable_log_stats=False) as llm:
 
         def settle() -> dict[str, float]:
-            time.sleep(0.3)
+            time.sleep(args.pause)
             timed_generate(llm, [random_prompt(random.Random(8), 16, 400)], 1)
             return connector_seconds()
 
@@ -77,8 +84,8 @@ def run_engine(model: str, args, kvt: dict, prompts: dict[int, list[list[int]]],
             out[n] = []
             for p in group:
                 rec = {}
-                if from_redis:
-                    rec["redis"] = hit(p)
+                if lower is not None:
+                    rec[lower] = hit(p)
                 else:
                     timed_generate(llm, [p], 1)  # a miss: kvconnector stores the prompt
                 rec["vllm"] = hit(p)
@@ -95,38 +102,54 @@ def main() -> None:
     add_model_args(p)
     p.set_defaults(dtype="bfloat16", redis=True)
     p.add_argument("--no-redis", dest="redis", action="store_false")
+    p.add_argument("--disk", action="store_true",
+                   help="a disk hit instead of a Redis hit (engines with a disk tier)")
     # 16000, not 16384: the tiny model's 16384 positions also hold the generated token.
     p.add_argument("--lengths", default="1024,4096,16000")
     p.add_argument("--prompts", type=int, default=4, help="distinct prompts per length")
     p.add_argument("--engines", type=int, default=3, help="fresh engines, each on every prompt")
+    p.add_argument("--pause", type=float, default=0.3,
+                   help="seconds of idle engine before the 16-token request that precedes "
+                        "each hit (0: hits follow each other as in a busy server)")
     p.add_argument("--plot", default=None)
-    with redis_for(p.parse_args()) as args:
-        bench(args)
+    args = p.parse_args()
+    if args.disk:
+        args.redis, args.redis_url = False, None
+    with redis_for(args) as args:
+        (ROOT / ".cache").mkdir(exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=ROOT / ".cache", prefix="bench-hit-disk-") as d:
+            bench(args, d if args.disk else None)
 
 
-def bench(args) -> None:
+def bench(args, disk_root: str | None) -> None:
     from tqdm import tqdm
 
     model, vocab = resolve_model(args)
     lengths = sorted(int(x) for x in args.lengths.split(","))
     extra = {"memory_capacity": args.memory_capacity}
+    lower = "disk" if disk_root else "redis" if args.redis_url else None
     if args.redis_url:
         extra["redis_url"] = args.redis_url
-    kvt = connector(extra)
     engines = []
     for e in tqdm(range(args.engines), desc="engines"):
         rng = random.Random(100 + e)  # new prompts for every engine: each one's first
         prompts = {n: [random_prompt(rng, n, vocab) for _ in range(args.prompts)]
                    for n in lengths}  # request of a prompt must miss vLLM's cache
-        if args.redis_url:
+        chunks = sum(len(q) // 256 for group in prompts.values() for q in group)
+        kvt = connector(extra)
+        if lower == "redis":
             import redis
 
             redis.Redis.from_url(args.redis_url).flushall()  # fill_redis counts the keys
-            chunks = sum(len(q) // 256 for group in prompts.values() for q in group)
             in_fresh_process(fill_redis, model, args, kvt, prompts, chunks)
-        engines.append(in_fresh_process(run_engine, model, args, kvt, prompts,
-                                        bool(args.redis_url)))
-    tiers = [t for t in TIERS if t != "redis" or args.redis_url]
+        elif lower == "disk":
+            directory = f"{disk_root}/{e}"  # a fresh directory: fill_disk counts the files
+            kvt = connector({**extra, "disk_path": directory})
+            in_fresh_process(fill_disk, model, args, kvt, prompts, directory, chunks)
+        engines.append(in_fresh_process(run_engine, model, args, kvt, prompts, lower))
+        if lower == "disk":
+            shutil.rmtree(directory)
+    tiers = [t for t in TIERS if t in ("vllm", "memory") or t == lower]
     report(args, model, lengths, tiers, engines)
 
 
@@ -177,7 +200,8 @@ def report(args, model: str, lengths: list[int], tiers: list[str],
             print(f"  {t}, {n} tokens: " + ", ".join(f"{k} {v * 1000:.2f}" for k, v in parts))
     out = write_results(args.out, "hit_paired", {
         "model": model, "dtype": args.dtype, "lengths": lengths, "prompts": args.prompts,
-        "engines": len(engines), "redis_cpus": getattr(args, "redis_cpus_used", None),
+        "engines": len(engines), "pause_s": args.pause,
+        "redis_cpus": getattr(args, "redis_cpus_used", None),
         "ratio_median": med, "ratio_per_engine": per_engine, "ratios": ratios,
         "seconds": secs, "phases_per_hit_s": phases, "tokens_differ": differ})
     print(f"results: {out}")

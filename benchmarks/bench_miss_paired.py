@@ -18,11 +18,16 @@ median of those that opt out; per length the median over the engines.
 What vLLM's connector machinery costs a request whatever the connector does is in both
 halves, so it does not show here; ``bench_miss.py`` measures it between engines
 (``vLLM alone``).
+
+``--full-redis 256mb`` adds a tier with a second local Redis that evicts beyond that size
+and is filled to it before each engine (``common.fill_to_maxmemory``): a Redis cache that
+has run for a while, against the first one, which grows through the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import tempfile
@@ -31,9 +36,12 @@ import time
 from common import (
     ROOT,
     add_model_args,
+    chunk_bytes,
     connector,
     engine,
+    fill_to_maxmemory,
     in_fresh_process,
+    local_redis,
     random_prompt,
     ratio_plot,
     redis_for,
@@ -87,8 +95,15 @@ def main() -> None:
     p.add_argument("--block", type=int, default=5, help="requests of one kind in a row")
     p.add_argument("--pairs", type=int, default=2, help="blocks of each kind per length")
     p.add_argument("--engines", type=int, default=2, help="engines per tier")
+    p.add_argument("--full-redis", metavar="MAXMEMORY", default=None,
+                   help="also a tier with a Redis that evicts beyond MAXMEMORY (e.g. 256mb), "
+                        "filled to it before each engine")
     p.add_argument("--plot", default=None)
-    with redis_for(p.parse_args()) as args:
+    with redis_for(p.parse_args()) as args, contextlib.ExitStack() as stack:
+        args.full_redis_url = None
+        if args.full_redis:
+            args.full_redis_url = stack.enter_context(
+                local_redis(args.redis_cpus, args.full_redis)).url
         (ROOT / ".cache").mkdir(exist_ok=True)
         with tempfile.TemporaryDirectory(dir=ROOT / ".cache", prefix="bench-miss-disk-") as d:
             bench(args, d if args.disk else None)
@@ -103,12 +118,16 @@ def bench(args, disk_path: str | None) -> None:
     tiers = {"memory": connector(extra)}
     if args.redis_url:
         tiers["memory + Redis"] = connector({**extra, "redis_url": args.redis_url})
+    if args.full_redis_url:
+        tiers["memory + full Redis"] = connector({**extra, "redis_url": args.full_redis_url})
     if disk_path is not None:
         tiers["memory + disk"] = connector({**extra, "disk_path": disk_path})
     order = [t for e in range(args.engines) for t in (list(tiers)[e % len(tiers):]
                                                       + list(tiers)[:e % len(tiers)])]
     runs: dict[str, list[dict]] = {t: [] for t in tiers}
     for i, tier in enumerate(tqdm(order, desc="engines")):
+        if tier == "memory + full Redis":
+            fill_to_maxmemory(args.full_redis_url, chunk_bytes(model, args.dtype))
         runs[tier].append(in_fresh_process(run_engine, model, args, tiers[tier], lengths,
                                            2000 + i, vocab))
     per_engine = {t: {n: [statistics.median(r[n]["kvconnector"]) /
@@ -129,7 +148,8 @@ def bench(args, disk_path: str | None) -> None:
     out = write_results(args.out, "miss_paired", {
         "model": model, "dtype": args.dtype, "lengths": lengths, "block": args.block,
         "pairs": args.pairs, "engines": args.engines, "order": order,
-        "redis_cpus": getattr(args, "redis_cpus_used", None), "ratio": ratio,
+        "redis_cpus": getattr(args, "redis_cpus_used", None),
+        "full_redis_maxmemory": args.full_redis, "ratio": ratio,
         "ratio_per_engine": per_engine, "opted_out_median_s": opted, "ttft_s": runs})
     print(f"results: {out}")
     ratio_plot(args.plot or out.with_suffix(".png"), lengths, ratio, dots=per_engine,

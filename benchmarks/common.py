@@ -79,16 +79,51 @@ def redis_for(args):
 
 
 @contextmanager
-def local_redis(cpus: str):
+def local_redis(cpus: str, maxmemory: str | None = None):
     """A redis-server of tests/redis_server.py (with a unix socket) on the cores ``cpus``
-    names (``redis_cpus``)."""
+    names (``redis_cpus``); with ``maxmemory``, one that evicts the least recently used
+    keys beyond it, as a Redis run as a cache is."""
     from tests.redis_server import RedisServer
 
-    with RedisServer(unixsocket=True) as server:
+    extra = ["--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"] if maxmemory else []
+    with RedisServer(unixsocket=True, extra_args=extra) as server:
         if chosen := redis_cpus(cpus):
             for task in os.listdir(f"/proc/{server.proc.pid}/task"):  # its threads too
                 os.sched_setaffinity(int(task), chosen)
         yield server
+
+
+def fill_to_maxmemory(url: str, value_bytes: int) -> int:
+    """Fill a Redis with ``maxmemory`` set until it evicts: from then on it holds as much
+    as it ever will, and a new value takes memory an evicted one freed, as in a Redis cache
+    that has run for a while. A Redis that is still growing takes new pages from the
+    kernel for every value; on these VMs each new page costs about 10 us of zeroing (a
+    growing redis-server spent 1.2 ms a 1024-token tiny-model miss in ``clear_page``,
+    docs/benchmarks.md section 22). Filler keys: ``bench-filler:*``. Returns their count."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    if not int(client.config_get("maxmemory")["maxmemory"]):
+        raise ValueError("fill_to_maxmemory needs a Redis with maxmemory set")
+    value, n = os.urandom(value_bytes), 0
+    while not client.info("stats")["evicted_keys"]:
+        pipe = client.pipeline(transaction=False)
+        for _ in range(8):
+            pipe.set(f"bench-filler:{n}", value)
+            n += 1
+        pipe.execute()
+    return n
+
+
+def chunk_bytes(model: str, dtype: str, chunk_tokens: int = 256) -> int:
+    """Bytes of one stored chunk of ``model`` (every layer's K and V)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    itemsize = 4 if dtype in ("float32", "float") else 2
+    return cfg.num_hidden_layers * 2 * chunk_tokens * kv_heads * head_dim * itemsize
 
 
 def redis_cpus(spec: str) -> set[int]:

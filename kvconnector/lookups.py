@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from kvconnector.store.redis_store import RedisStore
+from kvconnector.threads import name_os_thread
 
 logger = logging.getLogger("kvconnector.lookups")
 
@@ -30,7 +31,9 @@ class Lookups:
     def __init__(self, redis: RedisStore, budget_s: float) -> None:
         self.redis = redis
         self.budget_s = budget_s
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvconnector-lookup")
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvconnector-lookup",
+                                          initializer=name_os_thread,
+                                          initargs=("kvconnector-lookup",))
         self._last: Future[Any] | None = None  # one thread: answered last of those asked
 
     def answer(self, asked: Asked[T] | None, question: Hashable,

@@ -11,8 +11,10 @@ copy thread had saved a chunk, every forward took about twice as long, and a mem
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,9 +22,24 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 logger = logging.getLogger("kvconnector.threads")
+_PR_SET_NAME = 15  # prctl(2)
 
 
-def _own_thread(cores: set[int] | None) -> None:
+def name_os_thread(name: str) -> None:
+    """Give the calling thread ``name`` where the OS shows it (``top -H``, ``perf``,
+    ``py-spy``): as ``kvc-...``, at most 15 bytes. Python's thread names stay in Python."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, name.replace("kvconnector-", "kvc-").encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):  # only a name: the thread works the same
+        logger.debug("kvconnector: thread %s not named for the OS", name)
+
+
+def _own_thread(cores: set[int] | None, name: str = "") -> None:
+    if name:
+        name_os_thread(name)
     # torch sets a thread's OpenMP threads to the default on its first op: that first, so
     # the setting stays. torch._C's, not torch.set_num_threads: vLLM's CPU worker replaces
     # the latter with a warning. It also sets the default for threads to come.
@@ -43,7 +60,7 @@ def _own_thread(cores: set[int] | None) -> None:
 def pool(name: str, cores: set[int] | None = None) -> ThreadPoolExecutor:
     """One background thread, started now, on ``cores`` if given."""
     threads = torch.get_num_threads()
-    executor = ThreadPoolExecutor(1, name, initializer=_own_thread, initargs=(cores,))
+    executor = ThreadPoolExecutor(1, name, initializer=_own_thread, initargs=(cores, name))
     executor.submit(int).result()
     _restore_default(threads)
     return executor
@@ -55,7 +72,7 @@ def start(name: str, loop: Callable[[], None]) -> threading.Thread:
     ready = threading.Event()
 
     def run() -> None:
-        _own_thread(None)
+        _own_thread(None, name)
         ready.set()
         loop()
 

@@ -2,8 +2,11 @@
 own (which would throttle the forward pass's team: ``kvconnector/threads.py``)."""
 
 import os
+import sys
 import threading
+from pathlib import Path
 
+import pytest
 import torch
 
 from kvconnector import threads
@@ -35,3 +38,20 @@ def test_background_threads_compute_alone_and_leave_everyone_else_as_they_were()
         executor.shutdown()
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names from /proc")
+def test_background_threads_carry_short_names_the_os_shows():
+    """``top -H``, ``perf`` and ``py-spy`` tell kvconnector's threads apart by these."""
+
+    def os_name(tid: int) -> str:
+        return Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+
+    executor = threads.pool("kvconnector-redis-put")
+    assert os_name(executor.submit(threading.get_native_id).result()) == "kvc-redis-put"
+    executor.shutdown()
+    release = threading.Event()
+    thread = threads.start("kvconnector-layer-loads-x", lambda: release.wait(10))
+    assert os_name(thread.native_id) == "kvc-layer-loads"  # 15 bytes at most
+    release.set()
+    thread.join(5)

@@ -57,11 +57,17 @@ def _own_thread(cores: set[int] | None, name: str = "") -> None:
                          threading.current_thread().name, sorted(cores), e)
 
 
-def pool(name: str, cores: set[int] | None = None) -> ThreadPoolExecutor:
-    """One background thread, started now, on ``cores`` if given."""
+def pool(name: str, cores: set[int] | None = None, workers: int = 1) -> ThreadPoolExecutor:
+    """``workers`` background threads, all started now, on ``cores`` if given."""
     threads = torch.get_num_threads()
-    executor = ThreadPoolExecutor(1, name, initializer=_own_thread, initargs=(cores, name))
-    executor.submit(int).result()
+    executor = ThreadPoolExecutor(workers, name, initializer=_own_thread,
+                                  initargs=(cores, name))
+    # Every thread now, each held until all exist (an idle one would take the next
+    # task): one started later would reset torch's default for threads to come.
+    started = threading.Barrier(workers + 1)
+    for _ in range(workers):
+        executor.submit(started.wait)
+    started.wait()
     _restore_default(threads)
     return executor
 

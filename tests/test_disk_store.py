@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -123,6 +124,36 @@ def test_a_damaged_file_is_a_miss_and_is_deleted(tier, pool, tmp_path, damage):
     assert sum(corrupt.values()) == 1 and (reason is None or corrupt == {reason: 1})
     assert tier.fetch([(1, key(2), 0)]) == [True]  # the other file is untouched
     assert read_usage(tmp_path / "kv") == FILE  # the deleted file's room given back
+
+
+def test_a_fetch_of_several_reads_them_at_once_each_into_its_own_slot(tmp_path):
+    """A hit of several chunks reads its files on several threads; each result stays with
+    its slot and a damaged or missing file among them fails only itself."""
+    pool = SlotPool(12, SHAPE, torch.float32, checksums=True)
+    tier = DiskTier(tmp_path / "kv", 20 * FILE, pool, "kv")
+    try:
+        stored(tier, pool, {i: float(i * 10) for i in range(1, 7)})
+        _flip(chunk_path(tmp_path / "kv", key(3)), HEAD_BYTES + 8)
+        readers, read_into = set(), tier.files.read_into
+
+        def watched(*a, **kw):
+            readers.add(threading.current_thread().name)
+            time.sleep(0.01)  # each read waits a little, as on a device
+            return read_into(*a, **kw)
+
+        tier.files.read_into = watched
+        wanted = [(5 + i, key(k), 0) for i, k in enumerate([1, 2, 3, 4, 9, 5, 6])]
+        assert tier.fetch(wanted) == [True, True, False, True, False, True, True]
+        for slot, k, _ in wanted:
+            if k not in (key(3), key(9)):
+                want = torch.arange(pool.buffer[0].numel()).view(SHAPE) + float(
+                    int.from_bytes(k.chunk_hash, "big") * 10)
+                assert torch.equal(pool.read(slot, k), want.to(torch.float32))
+        assert len(readers) > 1 and all(r.startswith("kvconnector-disk-read") for r in readers)
+        assert not chunk_path(tmp_path / "kv", key(3)).exists()
+        assert tier.snapshot()["hits"] == 5
+    finally:
+        tier.close(1.0)
 
 
 def test_with_a_mac_key_unsigned_and_forged_files_are_misses(tmp_path, pool):

@@ -14,9 +14,11 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvconnector import threads
 from kvconnector.keys import ChunkKey, Fingerprint
 from kvconnector.store import descriptor
 from kvconnector.store.codec import REASONS, ExpectedChunk, checksum
@@ -28,6 +30,7 @@ from kvconnector.store.tiering import FLUSH_TIMEOUT_S, Chunk, PutQueue, SlotByte
 logger = logging.getLogger("kvconnector.store.disk")
 
 FIRST_PAUSE_S = 1.0
+READ_THREADS = 4  # files read at once by a fetch of several chunks
 MAX_PAUSE_S = 60.0
 
 
@@ -69,6 +72,7 @@ class DiskTier:
         self._pause_s = FIRST_PAUSE_S
         self.scan_result = None
         self._fingerprint = fingerprint
+        self._readers: ThreadPoolExecutor | None = None  # started by the first fetch of several
         self._puts = PutQueue("disk", self._put_each, threads=write_threads, first=self._scan)
 
     def expected(self, key: ChunkKey, blocks: int = 0) -> ExpectedChunk:
@@ -121,32 +125,39 @@ class DiskTier:
         except OSError as e:
             logger.warning("kvconnector disk: cannot write %s: %s", path, e)
 
-    # ---- reads (the copy thread) ----
+    # ---- reads (the copy thread, or the forward's before its step) ----
     def fetch(self, wanted: Sequence[tuple[int, ChunkKey, int]]) -> list[bool]:
-        out = []
-        for slot, key, blocks in wanted:
-            expected = self.expected(key, blocks)
-            self.pool.begin_write(slot)
-            view, packed = self.bytes.to_receive(slot, blocks)
-            res = self.files.read_into(key, expected, view)
-            if res.ok:
-                self.bytes.received(slot, blocks, packed)
-                self.pool.end_write(slot, key, for_redis=False)  # on disk already
-                self.space.touch(self.files.path(key), file_size(expected.nbytes))
-                self._count(hits=1, get_bytes=expected.nbytes)
-            elif res.reason in REASONS:
-                removed = self.space.remove(self.files.path(key), res.inode)
-                logger.warning("kvconnector disk: chunk file %s is corrupt (%s)%s; its "
-                               "blocks will be recomputed", self.files.path(key), res.reason,
-                               ", deleted" if removed else "")
-                with self._lock:
-                    c = self.counters.corrupt
-                    c[res.reason] = c.get(res.reason, 0) + 1
-                    self.counters.misses += 1
-            else:
-                self._count(misses=1, io_errors=int(res.reason == "io"))
-            out.append(res.ok)
-        return out
+        """Several files at once: one read at a time waits on the device for each (a
+        4096-token tiny-model hit, 16 files, read 0.6 ms a file one by one)."""
+        if len(wanted) < 2:
+            return [self._fetch_one(*w) for w in wanted]
+        with self._lock:
+            if self._readers is None:
+                self._readers = threads.pool("kvconnector-disk-read", workers=READ_THREADS)
+        return list(self._readers.map(lambda w: self._fetch_one(*w), wanted))
+
+    def _fetch_one(self, slot: int, key: ChunkKey, blocks: int) -> bool:
+        expected = self.expected(key, blocks)
+        self.pool.begin_write(slot)
+        view, packed = self.bytes.to_receive(slot, blocks)
+        res = self.files.read_into(key, expected, view)
+        if res.ok:
+            self.bytes.received(slot, blocks, packed)
+            self.pool.end_write(slot, key, for_redis=False)  # on disk already
+            self.space.touch(self.files.path(key), file_size(expected.nbytes))
+            self._count(hits=1, get_bytes=expected.nbytes)
+        elif res.reason in REASONS:
+            removed = self.space.remove(self.files.path(key), res.inode)
+            logger.warning("kvconnector disk: chunk file %s is corrupt (%s)%s; its "
+                           "blocks will be recomputed", self.files.path(key), res.reason,
+                           ", deleted" if removed else "")
+            with self._lock:
+                c = self.counters.corrupt
+                c[res.reason] = c.get(res.reason, 0) + 1
+                self.counters.misses += 1
+        else:
+            self._count(misses=1, io_errors=int(res.reason == "io"))
+        return res.ok
 
     # ---- writes (background threads) ----
     def offload(self, slot: int, key: ChunkKey, blocks: int = 0) -> None:
@@ -245,5 +256,7 @@ class DiskTier:
         return self._puts.flush(timeout_s)
 
     def close(self, timeout_s: float) -> None:
+        if self._readers is not None:
+            self._readers.shutdown(wait=False, cancel_futures=True)
         if self._puts.close(timeout_s):
             self.space.close()  # else a writer still holds it: the process's exit closes it

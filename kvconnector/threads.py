@@ -72,13 +72,15 @@ def pool(name: str, cores: set[int] | None = None, workers: int = 1) -> ThreadPo
     return executor
 
 
-def start(name: str, loop: Callable[[], None]) -> threading.Thread:
-    """A daemon thread running ``loop``, started once its torch setting is made."""
+def start(name: str, loop: Callable[[], None],
+          cores: set[int] | None = None) -> threading.Thread:
+    """A daemon thread running ``loop`` (on ``cores`` if given), started once its torch
+    setting is made."""
     threads = torch.get_num_threads()
     ready = threading.Event()
 
     def run() -> None:
-        _own_thread(None, name)
+        _own_thread(cores, name)
         ready.set()
         loop()
 

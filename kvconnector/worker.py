@@ -36,6 +36,13 @@ if TYPE_CHECKING:
 
     from kvconnector.kernels.host_transfer import HostTransfer
 
+# A chunk at least this large goes to Redis from a thread on the cores vLLM left spare
+# (CPU build), not the forward's: its copy into socket buffers is then off the forward's
+# core. SmolLM2 (5.6 MiB chunks), 1024-token misses with Redis: 1.073x the requests that
+# opted out with it on the forward's core, 1.019x on the spare core; the tiny model (112
+# KiB chunks): 1.158x and 1.192x (docs/benchmarks.md section 22).
+PUT_ON_SPARE_MIN_BYTES = 1 << 20
+
 logger = logging.getLogger("kvconnector.worker")
 
 # A load from memory goes layer by layer from this size (waking the loader costs ~0.3 ms).
@@ -112,7 +119,10 @@ class WorkerHalf:
         if redis is not None:
             self.redis_tier = RedisTier(redis, self.pool, self.layout.family,
                                         fingerprint=self.fingerprint_fields,
-                                        blocks_per_chunk=self.blocks_per_chunk)
+                                        blocks_per_chunk=self.blocks_per_chunk,
+                                        put_cores=self._spare_cores if
+                                        self.pool.chunk_bytes >= PUT_ON_SPARE_MIN_BYTES
+                                        else None)
         if self.layers[0].is_cuda:
             from kvconnector.kernels.host_transfer import HostTransfer
 

@@ -1,6 +1,7 @@
 """The put queue behind the disk and Redis tiers (store/tiering.py), and Redis's batches of
 puts against a real redis-server."""
 
+import os
 import sys
 import threading
 import time
@@ -130,3 +131,18 @@ def test_redis_puts_a_batch_in_one_pipeline_and_every_chunk_reads_back(server):
     for i in (0, 1, 2, 4):
         assert torch.equal(reader.read(i, keys[i]), pool.buffer[i])
     tier.close(5)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity here")
+def test_the_redis_write_thread_runs_on_the_cores_it_is_given(server):
+    """On the CPU build the worker hands it the cores vLLM left spare: its copies into
+    socket buffers then stay off the forward pass's core."""
+    core = max(os.sched_getaffinity(0))
+    redis = RedisStore.from_url(server.url, key_prefix="cores", timeout_s=2.0)
+    pool = SlotPool(2, (2, 2, 16, 2, 8), torch.float32, checksums=True)
+    tier = RedisTier(redis, pool, "chunk", put_cores={core})
+    try:
+        (thread,) = tier._puts._threads
+        assert os.sched_getaffinity(thread.native_id) == {core}
+    finally:
+        tier.close(5)

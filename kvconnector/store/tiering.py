@@ -104,7 +104,8 @@ class PutQueue:
 
     def __init__(self, name: str, put: Callable[[list[Chunk]], None], threads: int = 1,
                  first: Callable[[], None] | None = None,
-                 max_queued: int = MAX_QUEUED_PUTS, batch: int = 1) -> None:
+                 max_queued: int = MAX_QUEUED_PUTS, batch: int = 1,
+                 cores: set[int] | None = None) -> None:
         self.name = name
         self.batch = max(1, batch)
         self.dropped = 0
@@ -115,7 +116,7 @@ class PutQueue:
         if first is None:
             self._ready.set()
         self._threads = [start_thread(f"kvconnector-{name}-put",
-                                      lambda f=first if i == 0 else None: self._loop(f))
+                                      lambda f=first if i == 0 else None: self._loop(f), cores)
                          for i in range(threads)]
 
     def offload(self, slot: int, key: ChunkKey, blocks: int = 0) -> None:
@@ -215,7 +216,8 @@ class RedisTier:
     name = "redis"
 
     def __init__(self, redis: RedisStore, pool: SlotPool, layout_name: str,
-                 fingerprint: Fingerprint | None = None, blocks_per_chunk: int = 1) -> None:
+                 fingerprint: Fingerprint | None = None, blocks_per_chunk: int = 1,
+                 put_cores: set[int] | None = None) -> None:
         self.redis = redis
         self.pool = pool
         self.bytes = SlotBytes(pool, layout_name, blocks_per_chunk)
@@ -227,7 +229,8 @@ class RedisTier:
         # One pipeline for the chunks queued together (a step's saves): on a 2-core machine
         # each round trip also costs the forward a hand-over of the GIL and the core.
         self._puts = PutQueue("redis", self._put,
-                              batch=max(1, min(MAX_PUT_BATCH, PUT_BATCH_BYTES // pool.chunk_bytes)))
+                              batch=max(1, min(MAX_PUT_BATCH, PUT_BATCH_BYTES // pool.chunk_bytes)),
+                              cores=put_cores)
 
     def expected(self, key: ChunkKey, blocks: int = 0) -> ExpectedChunk:
         return self.bytes.expected(key, blocks)

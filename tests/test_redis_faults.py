@@ -181,12 +181,14 @@ def test_forged_value_is_refused_with_a_shared_secret(tampered, baseline):
 
 def test_shutdown_is_bounded_with_puts_queued_for_a_slow_redis(tiny_model, tmp_path_factory):
     """vLLM kills an engine that outstays its shutdown window: chunks still queued for a
-    slow Redis are dropped after a bounded time, not flushed one round trip at a time."""
+    slow Redis are dropped after a bounded time, not flushed in full. Puts go in batches
+    of up to 16 chunks, one round trip (0.5 s here) each: 16 prompts queue more than the
+    1 s budget can send."""
     with RedisServer() as server, LatencyProxy(server.port, delay_s=0.5) as proxy:
         res = run_engine(tmp_path_factory.mktemp("faults-shutdown"), {
             "model": tiny_model, "connector": {"memory_capacity": "64MiB",
                                                "redis_url": proxy.url},
-            "steps": [{"op": "generate", "prompts": [prompt(330 + i, 1100) for i in range(4)],
+            "steps": [{"op": "generate", "prompts": [prompt(330 + i, 1100) for i in range(16)],
                        "max_tokens": 2},
                       {"op": "shutdown_connector"}]}, timeout=TIMEOUT_S)
     shutdown = res[1]

@@ -119,13 +119,16 @@ def test_redis_faults_cost_misses_not_requests(tiny_model, tmp_path_factory, bas
             {"op": "flush"}, {"op": "redis_stats"},  # 5, 6
             {"op": "redis_server", "port": port, "action": "kill"},  # 7: dies mid-run
             {"op": "generate", "prompts": [P1, P2, P3]},  # 8: memory hits, Redis misses
-            {"op": "flush"}, {"op": "redis_stats"},  # 9, 10
-            {"op": "redis_server", "port": port, "action": "restart"},  # 11: empty again
-            {"op": "sleep", "seconds": 2.5},  # 12
-            {"op": "generate", "prompts": [P4]},  # 13: new chunks go to Redis again
-            {"op": "flush"}, {"op": "redis_stats"},  # 14, 15
+            # 9: its chunks queue right behind P3's, whose put failed: one pipeline a
+            # step's saves, so this is the put that must wait out the backoff
+            {"op": "generate", "prompts": [prompt(15, 600)]},
+            {"op": "flush"}, {"op": "redis_stats"},  # 10, 11
+            {"op": "redis_server", "port": port, "action": "restart"},  # 12: empty again
+            {"op": "sleep", "seconds": 2.5},  # 13
+            {"op": "generate", "prompts": [P4]},  # 14: new chunks go to Redis again
+            {"op": "flush"}, {"op": "redis_stats"},  # 15, 16
         ]})
-    absent, up, killed, back = res[1], res[6], res[10], res[15]
+    absent, up, killed, back = res[1], res[6], res[11], res[16]
     assert [r["tokens"] for r in res[0]] == baseline[:1]
     assert absent["errors"] >= 1 and absent["puts"] == 0
     assert up["puts"] >= 2  # P2's chunks reached Redis once it was up
@@ -134,7 +137,7 @@ def test_redis_faults_cost_misses_not_requests(tiny_model, tmp_path_factory, bas
     assert [r["cached"] for r in res[8][:2]] == [P1_HIT, P2_HIT]
     assert killed["errors"] > up["errors"]
     assert back["puts"] > killed["puts"]  # reconnected after the restart
-    assert [r["tokens"] for r in res[13]] == baseline[3:]
+    assert [r["tokens"] for r in res[14]] == baseline[3:]
     assert back["reconnects"] >= 2  # after the first start and after the restart
     # No storm: failed attempts stay a handful; the rest were skipped during backoff.
     assert back["errors"] <= 5 and back["skipped_in_backoff"] >= 1

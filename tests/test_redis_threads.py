@@ -3,10 +3,11 @@ it (the lookup and put threads): reading must never fail."""
 
 from __future__ import annotations
 
+import socket
 import sys
 import threading
 
-from kvconnector.store.redis_connections import RedisConnections
+from kvconnector.store.redis_connections import RedisConnections, connected_to_itself
 
 
 def test_backoff_state_can_be_read_while_cluster_nodes_are_added():
@@ -35,3 +36,22 @@ def test_backoff_state_can_be_read_while_cluster_nodes_are_added():
         stop.set()
         writer.join()
         sys.setswitchinterval(interval)
+
+
+def test_a_connection_to_its_own_port_is_recognised():
+    """A reconnect to a port with no server can connect to itself and hold the port the
+    server restarts on (seen once in CI: "Address already in use" on a restart)."""
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", 0))
+        s.connect(s.getsockname())  # a simultaneous open with itself
+        assert connected_to_itself(s)
+    finally:
+        s.close()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        c = socket.create_connection(server.getsockname())
+        try:
+            assert not connected_to_itself(c)
+        finally:
+            c.close()
+    assert not connected_to_itself(None)

@@ -46,6 +46,18 @@ _NO_CLIENT_SETINFO: dict[str, Any] = (
     else {"lib_name": None, "lib_version": None})
 
 
+def connected_to_itself(sock: socket.socket | None) -> bool:
+    """A TCP connect to a local port no server listens on can be given that very port as
+    its own and connect to itself (a simultaneous open): it then holds the port the
+    server would restart on, and answers each command with the command."""
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return False
+    try:
+        return sock.getsockname() == sock.getpeername()
+    except OSError:
+        return False
+
+
 @dataclass
 class _Held:
     """A connection this store holds between calls, with its poller and read buffer."""
@@ -273,6 +285,10 @@ class RedisConnections:
             held.conn.disconnect()  # closed by the server (restart, idle timeout)
             pool.release(held.conn)
         conn = pool.get_connection()
+        if connected_to_itself(conn._sock):
+            conn.disconnect()
+            pool.release(conn)
+            raise redis.ConnectionError("no server: the connection reached its own port")
         poller = select.poll()
         poller.register(conn._sock, select.POLLIN)
         return _Held(pool, conn, poller, Wire(conn._sock, None), 0.0)

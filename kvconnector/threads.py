@@ -23,6 +23,7 @@ import torch
 
 logger = logging.getLogger("kvconnector.threads")
 _PR_SET_NAME = 15  # prctl(2)
+START_TIMEOUT_S = 30.0
 
 
 def name_os_thread(name: str) -> None:
@@ -64,10 +65,15 @@ def pool(name: str, cores: set[int] | None = None, workers: int = 1) -> ThreadPo
                                   initargs=(cores, name))
     # Every thread now, each held until all exist (an idle one would take the next
     # task): one started later would reset torch's default for threads to come.
-    started = threading.Barrier(workers + 1)
+    started = threading.Barrier(workers + 1, timeout=START_TIMEOUT_S)
     for _ in range(workers):
         executor.submit(started.wait)
-    started.wait()
+    try:
+        started.wait()
+    except threading.BrokenBarrierError:
+        executor.shutdown(wait=False, cancel_futures=True)
+        raise RuntimeError(f"kvconnector: {workers} {name} threads did not start within "
+                           f"{START_TIMEOUT_S:.0f} s") from None
     _restore_default(threads)
     return executor
 

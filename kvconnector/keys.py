@@ -97,6 +97,21 @@ def partial_chunk_hash(prev: bytes, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def partial_chunk_hashes(prev: bytes, token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """``partial_chunk_hash`` of the first 1, 2, ... whole blocks of ``token_ids``, in one
+    pass: blake2b streams, so the hash of k blocks continues the state of k - 1. A lookup
+    asks for every length a chunk could have (15 with 16-token blocks); hashed one by one
+    they cost more than the full chunks."""
+    h = hashlib.blake2b(prev, digest_size=HASH_BYTES, person=PARTIAL_PERSON)
+    data = token_bytes(token_ids)
+    width = block_size * 8
+    out: list[bytes] = []
+    for k in range(len(token_ids) // block_size):
+        h.update(data[k * width:(k + 1) * width])
+        out.append(h.digest())  # digest() leaves the state as it was
+    return out
+
+
 def request_seed(fingerprint: bytes, cache_salt: str | None) -> bytes:
     """The chain's start: requests with different salts never share chunks."""
     if not cache_salt:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvconnector.keys import chunk_hashes, partial_chunk_hash
+from kvconnector.keys import chunk_hashes, partial_chunk_hashes
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -62,11 +62,12 @@ class RequestState:
     def partial_hash(self, chunk: int, blocks: int, chunk_size: int, block_size: int) -> bytes:
         """Key of the first ``blocks`` blocks of chunk ``chunk``."""
         h = self.partial_hashes.get((chunk, blocks))
-        if h is None:
+        if h is None:  # and the shorter ones, which a lookup asks for next
             prev = self.chunk_hashes(chunk * chunk_size, chunk_size)[chunk - 1] if chunk \
                 else self.seed
             start = chunk * chunk_size
-            h = partial_chunk_hash(prev, self.request.all_token_ids[start:start + blocks
-                                                                    * block_size])
-            self.partial_hashes[(chunk, blocks)] = h
+            tokens = self.request.all_token_ids[start:start + blocks * block_size]
+            for k, hk in enumerate(partial_chunk_hashes(prev, tokens, block_size), 1):
+                self.partial_hashes[(chunk, k)] = hk
+            h = self.partial_hashes[(chunk, blocks)]
         return h

@@ -7,7 +7,14 @@ import sys
 
 import pytest
 
-from kvconnector.keys import ChunkKey, Fingerprint, chunk_hashes, request_seed
+from kvconnector.keys import (
+    ChunkKey,
+    Fingerprint,
+    chunk_hashes,
+    partial_chunk_hash,
+    partial_chunk_hashes,
+    request_seed,
+)
 
 FP = Fingerprint(model="m", revision="", model_config_digest="abc", dtype="float32",
                  kv_layout="chunk", block_size=16, num_layers=2, num_kv_heads=2,
@@ -80,3 +87,13 @@ def test_weights_digest_reads_the_weights(tmp_path):
     f.write_bytes(data)
     assert weights_digest(str(tmp_path)) != first
     assert weights_digest(str(f)) == weights_digest(str(tmp_path))  # a GGUF-style file path
+
+
+def test_partial_hashes_in_one_pass_equal_each_hashed_alone():
+    """A stored partial chunk's key must not depend on how the lookup computed it."""
+    tokens = list(range(1000, 1000 + 16 * 15 + 7))  # 15 whole blocks and a part of one
+    prev = b"p" * 16
+    one_pass = partial_chunk_hashes(prev, tokens, 16)
+    assert one_pass == [partial_chunk_hash(prev, tokens[:16 * k]) for k in range(1, 16)]
+    assert len(set(one_pass)) == 15
+    assert partial_chunk_hashes(prev, tokens[:15], 16) == []

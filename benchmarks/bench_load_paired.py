@@ -21,6 +21,7 @@ median throughput of the rounds that opt out over its median of those that use k
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import tempfile
@@ -44,8 +45,29 @@ GOAL = 1.03
 KINDS = ("kvconnector", "opted out")
 
 
+def cpu_seconds(redis_pid: int | None) -> dict[str, float]:
+    """CPU seconds so far of this process (vLLM's front end), each of its descendants by
+    name (vLLM's engine core and worker), redis-server, and the whole machine (busy, idle)."""
+    import psutil
+
+    me = psutil.Process()
+    out: dict[str, float] = {}
+    procs = [(("front end"), me)] + [(p.name(), p) for p in me.children(recursive=True)]
+    if redis_pid is not None:
+        procs.append(("redis-server", psutil.Process(redis_pid)))
+    for name, proc in procs:
+        with contextlib.suppress(psutil.Error):
+            t = proc.cpu_times()
+            out[name] = out.get(name, 0.0) + t.user + t.system
+    machine = psutil.cpu_times()
+    out["machine idle"] = machine.idle + getattr(machine, "iowait", 0.0)
+    out["machine busy"] = sum(machine) - out["machine idle"]
+    return out
+
+
 def run_engine(model: str, args, kvt: dict, seed: int, vocab: int) -> dict:
-    """Per kind, the throughput (prompt + output tokens a second) of each round."""
+    """Per kind, the throughput (prompt + output tokens a second) of each round, and the
+    CPU seconds each process spent in it."""
     from vllm import SamplingParams
 
     def params(kind: str) -> SamplingParams:
@@ -55,6 +77,7 @@ def run_engine(model: str, args, kvt: dict, seed: int, vocab: int) -> dict:
 
     rng = random.Random(seed)
     rates: dict[str, list[float]] = {k: [] for k in KINDS}
+    cpu: dict[str, list[dict[str, float]]] = {k: [] for k in KINDS}
     max_len = args.prompt_tokens + args.output_tokens + 16
     with engine(model, args, kvt, max_len, enable_prefix_caching=True,
                 disable_log_stats=False) as llm:
@@ -68,9 +91,12 @@ def run_engine(model: str, args, kvt: dict, seed: int, vocab: int) -> dict:
                 time.sleep(args.settle)
                 prompts = [{"prompt_token_ids": random_prompt(rng, args.prompt_tokens, vocab)}
                            for _ in range(args.prompts)]
+                cpu_before = cpu_seconds(args.redis_pid)
                 start = time.perf_counter()
                 outs = llm.generate(prompts, params(kind), use_tqdm=False)
                 secs = time.perf_counter() - start
+                cpu_after = cpu_seconds(args.redis_pid)
+                cpu[kind].append({k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items()})
                 assert all((o.num_cached_tokens or 0) == 0 for o in outs), "a prompt hit a cache"
                 tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
                 rates[kind].append(tokens / secs)
@@ -80,7 +106,7 @@ def run_engine(model: str, args, kvt: dict, seed: int, vocab: int) -> dict:
         phases = {k: v - before.get(k, 0.0) for k, v in connector_seconds().items()}
     if phases.get("copy_thread", 0.0) <= 0.0:
         raise RuntimeError("the rounds that use kvconnector saved nothing: is it attached?")
-    return {"rates": rates, "phases": phases}
+    return {"rates": rates, "cpu_s": cpu, "phases": phases}
 
 
 def main() -> None:
@@ -98,6 +124,11 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=0.5, help="idle seconds before a round")
     p.add_argument("--plot", default=None)
     with redis_for(p.parse_args()) as args:
+        args.redis_pid = None
+        if args.redis_url:
+            import redis
+
+            args.redis_pid = int(redis.Redis.from_url(args.redis_url).info("server")["process_id"])
         (ROOT / ".cache").mkdir(exist_ok=True)
         with tempfile.TemporaryDirectory(dir=ROOT / ".cache", prefix="bench-load-disk-") as d:
             bench(args, d if args.disk else None)
@@ -132,15 +163,32 @@ def bench(args, disk_path: str | None) -> None:
     for t in tiers:
         engines = ", ".join(f"{x:.3f}" for x in per_engine[t])
         print(f"  {t:<16} {ratio[t]:.3f} ({engines}; opted out {opted[t]:.0f} tokens/s)")
+    cpu = {t: cpu_per_round(runs[t]) for t in tiers}
+    print("CPU ms a round by process, median over rounds (with kvconnector - opted out):")
+    for t in tiers:
+        cells = [f"{name} {mine:.0f} ({mine - cpu[t]['opted out'].get(name, 0.0):+.0f})"
+                 for name, mine in cpu[t]["kvconnector"].items()]
+        print(f"  {t:<16} " + ", ".join(cells))
     out = write_results(args.out, "load_paired", {
         "model": model, "dtype": args.dtype, "prompts": args.prompts,
         "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
         "rounds": args.rounds, "engines": args.engines, "settle_s": args.settle,
         "order": order, "redis_cpus": getattr(args, "redis_cpus_used", None),
         "ratio": ratio, "ratio_per_engine": per_engine, "opted_out_tokens_per_s": opted,
+        "cpu_ms_per_round": cpu,
         "runs": runs})
     print(f"results: {out}")
     plot(args.plot or out.with_suffix(".png"), model, per_engine, ratio)
+
+
+def cpu_per_round(runs: list[dict]) -> dict[str, dict[str, float]]:
+    """Per kind and process, the median CPU milliseconds of a round over every engine's."""
+    out: dict[str, dict[str, float]] = {}
+    for kind in KINDS:
+        rounds = [r for run in runs for r in run["cpu_s"][kind]]
+        names = sorted({n for r in rounds for n in r})
+        out[kind] = {n: statistics.median(r.get(n, 0.0) for r in rounds) * 1000 for n in names}
+    return out
 
 
 def plot(path, model: str, per_engine: dict[str, list[float]], ratio: dict[str, float]) -> None:

@@ -30,7 +30,6 @@ import time
 from common import (
     ROOT,
     add_model_args,
-    connector,
     connector_seconds,
     engine,
     in_fresh_process,
@@ -38,6 +37,8 @@ from common import (
     random_prompt,
     redis_for,
     resolve_model,
+    rotated_order,
+    tier_connectors,
     write_results,
 )
 
@@ -138,14 +139,8 @@ def bench(args, disk_path: str | None) -> None:
     from tqdm import tqdm
 
     model, vocab = resolve_model(args)
-    extra = {"memory_capacity": args.memory_capacity}
-    tiers = {"memory": connector(extra)}
-    if args.redis_url:
-        tiers["memory + Redis"] = connector({**extra, "redis_url": args.redis_url})
-    if disk_path is not None:
-        tiers["memory + disk"] = connector({**extra, "disk_path": disk_path})
-    order = [t for e in range(args.engines) for t in (list(tiers)[e % len(tiers):]
-                                                      + list(tiers)[:e % len(tiers)])]
+    tiers = tier_connectors(args, disk_path)
+    order = rotated_order(list(tiers), args.engines)
     runs: dict[str, list[dict]] = {t: [] for t in tiers}
     for i, tier in enumerate(tqdm(order, desc="engines")):
         runs[tier].append(in_fresh_process(run_engine, model, args, tiers[tier], 3000 + i,

@@ -38,6 +38,7 @@ from common import (
     ratio_plot,
     redis_for,
     resolve_model,
+    rotated_order,
     timed_generate,
     write_results,
 )
@@ -114,7 +115,7 @@ def bench(args, disk_path: str | None) -> None:
             configs["memory + disk, buffered"] = connector(
                 {**extra, "disk_path": disk_path, "disk_direct_io": False})
     names = list(configs)
-    order = [names[(i + r) % len(names)] for r in range(args.rounds) for i in range(len(names))]
+    order = rotated_order(names, args.rounds)
     ttft: dict[str, dict[int, list[float]]] = {c: {n: [] for n in lengths} for c in names}
     phases: dict[str, dict[int, dict[str, float]]] = {c: {} for c in names}
     rounds: dict[str, list[dict[int, float]]] = {c: [] for c in names}

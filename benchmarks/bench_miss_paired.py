@@ -37,7 +37,6 @@ from common import (
     ROOT,
     add_model_args,
     chunk_bytes,
-    connector,
     engine,
     fill_to_maxmemory,
     in_fresh_process,
@@ -46,6 +45,8 @@ from common import (
     ratio_plot,
     redis_for,
     resolve_model,
+    rotated_order,
+    tier_connectors,
     write_results,
 )
 
@@ -114,16 +115,8 @@ def bench(args, disk_path: str | None) -> None:
 
     model, vocab = resolve_model(args)
     lengths = sorted(int(x) for x in args.lengths.split(","))
-    extra = {"memory_capacity": args.memory_capacity}
-    tiers = {"memory": connector(extra)}
-    if args.redis_url:
-        tiers["memory + Redis"] = connector({**extra, "redis_url": args.redis_url})
-    if args.full_redis_url:
-        tiers["memory + full Redis"] = connector({**extra, "redis_url": args.full_redis_url})
-    if disk_path is not None:
-        tiers["memory + disk"] = connector({**extra, "disk_path": disk_path})
-    order = [t for e in range(args.engines) for t in (list(tiers)[e % len(tiers):]
-                                                      + list(tiers)[:e % len(tiers)])]
+    tiers = tier_connectors(args, disk_path, args.full_redis_url)
+    order = rotated_order(list(tiers), args.engines)
     runs: dict[str, list[dict]] = {t: [] for t in tiers}
     for i, tier in enumerate(tqdm(order, desc="engines")):
         if tier == "memory + full Redis":

@@ -154,6 +154,27 @@ def connector(extra: dict) -> dict:
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
+def tier_connectors(args, disk_path: str | None,
+                    full_redis_url: str | None = None) -> dict[str, dict]:
+    """kvconnector's configuration for each tier a miss benchmark compares: memory, then
+    memory + Redis (``args.redis_url``), memory + a full Redis, memory + disk."""
+    extra = {"memory_capacity": args.memory_capacity}
+    tiers = {"memory": connector(extra)}
+    if args.redis_url:
+        tiers["memory + Redis"] = connector({**extra, "redis_url": args.redis_url})
+    if full_redis_url:
+        tiers["memory + full Redis"] = connector({**extra, "redis_url": full_redis_url})
+    if disk_path is not None:
+        tiers["memory + disk"] = connector({**extra, "disk_path": disk_path})
+    return tiers
+
+
+def rotated_order(names: list[str], engines: int) -> list[str]:
+    """Each name ``engines`` times, one engine of each in turn, the first one rotating, so
+    that no configuration always runs first (or right after another one)."""
+    return [t for e in range(engines) for t in names[e % len(names):] + names[:e % len(names)]]
+
+
 def _child(fn, args, kwargs, results) -> None:
     try:
         results.put(("ok", fn(*args, **kwargs)))

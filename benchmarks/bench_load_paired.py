@@ -27,6 +27,7 @@ import statistics
 import tempfile
 import time
 
+from bench_miss_paired import GOAL, KINDS
 from common import (
     ROOT,
     add_model_args,
@@ -41,9 +42,6 @@ from common import (
     tier_connectors,
     write_results,
 )
-
-GOAL = 1.03
-KINDS = ("kvconnector", "opted out")
 
 
 def cpu_seconds(redis_pid: int | None) -> dict[str, float]:

@@ -97,3 +97,18 @@ def test_partial_hashes_in_one_pass_equal_each_hashed_alone():
     assert one_pass == [partial_chunk_hash(prev, tokens[:16 * k]) for k in range(1, 16)]
     assert len(set(one_pass)) == 15
     assert partial_chunk_hashes(prev, tokens[:15], 16) == []
+
+
+def test_a_request_asked_for_its_longest_partial_first_keys_the_shorter_ones_alike():
+    """The lookup asks for the longest partial chunk first and caches the shorter ones the
+    same pass hashed: each must be the key a save of that many blocks would store."""
+    from types import SimpleNamespace
+
+    from kvconnector.request_state import RequestState
+
+    tokens = list(range(5000, 5000 + 64 + 16 * 3))  # one full 64-token chunk, 3 blocks more
+    st = RequestState(SimpleNamespace(all_token_ids=tokens), b"s" * 16, None)
+    prev = chunk_hashes(tokens, 64, b"s" * 16)[0]
+    assert st.partial_hash(1, 3, 64, 16) == partial_chunk_hash(prev, tokens[64:112])
+    for k in (2, 1):
+        assert st.partial_hash(1, k, 64, 16) == partial_chunk_hash(prev, tokens[64:64 + 16 * k])

@@ -111,6 +111,9 @@ def main() -> None:
     p.add_argument("--pause", type=float, default=0.3,
                    help="seconds of idle engine before the 16-token request that precedes "
                         "each hit (0: hits follow each other as in a busy server)")
+    p.add_argument("--key-mirror", action="store_true",
+                   help="the engines answer Redis lookups from their key mirror "
+                        "(redis_key_mirror)")
     p.add_argument("--plot", default=None)
     args = p.parse_args()
     if args.disk:
@@ -130,6 +133,8 @@ def bench(args, disk_root: str | None) -> None:
     lower = "disk" if disk_root else "redis" if args.redis_url else None
     if args.redis_url:
         extra["redis_url"] = args.redis_url
+        if args.key_mirror:
+            extra["redis_key_mirror"] = True
     engines = []
     for e in tqdm(range(args.engines), desc="engines"):
         rng = random.Random(100 + e)  # new prompts for every engine: each one's first
@@ -200,7 +205,7 @@ def report(args, model: str, lengths: list[int], tiers: list[str],
             print(f"  {t}, {n} tokens: " + ", ".join(f"{k} {v * 1000:.2f}" for k, v in parts))
     out = write_results(args.out, "hit_paired", {
         "model": model, "dtype": args.dtype, "lengths": lengths, "prompts": args.prompts,
-        "engines": len(engines), "pause_s": args.pause,
+        "engines": len(engines), "pause_s": args.pause, "key_mirror": args.key_mirror,
         "redis_cpus": getattr(args, "redis_cpus_used", None),
         "ratio_median": med, "ratio_per_engine": per_engine, "ratios": ratios,
         "seconds": secs, "phases_per_hit_s": phases, "tokens_differ": differ})

@@ -121,6 +121,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds of each kind per engine")
     p.add_argument("--engines", type=int, default=2, help="engines per tier")
     p.add_argument("--settle", type=float, default=0.5, help="idle seconds before a round")
+    p.add_argument("--key-mirror", action="store_true",
+                   help="also memory + Redis with redis_key_mirror")
     p.add_argument("--plot", default=None)
     with redis_for(p.parse_args()) as args:
         args.redis_pid = None

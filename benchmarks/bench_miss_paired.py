@@ -99,6 +99,9 @@ def main() -> None:
     p.add_argument("--full-redis", metavar="MAXMEMORY", default=None,
                    help="also a tier with a Redis that evicts beyond MAXMEMORY (e.g. 256mb), "
                         "filled to it before each engine")
+    p.add_argument("--key-mirror", action="store_true",
+                   help="also memory + Redis with redis_key_mirror (lookups answered from "
+                        "the scheduler's list of Redis's keys)")
     p.add_argument("--plot", default=None)
     with redis_for(p.parse_args()) as args, contextlib.ExitStack() as stack:
         args.full_redis_url = None

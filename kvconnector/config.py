@@ -70,6 +70,10 @@ class ConnectorConfig:
     redis_lookup_budget_ms: float = setting(
         50.0, "number", "Time the scheduler may spend asking Redis what it holds for one "
         "request; over it is a miss.", optional=True)
+    redis_key_mirror: bool = setting(
+        False, "bool", "The scheduler keeps the list of this model's keys in Redis, fed by "
+        "Redis's keyspace notifications (turned on with CONFIG SET where they are off), and "
+        "answers lookups from it without a round trip. Not for Redis Cluster.")
     redis_password_env: str | None = setting(
         None, "text", "Name of an environment variable holding the Redis password (kept "
         "out of vLLM's logs, which print this config).", **_PATH)
@@ -131,6 +135,12 @@ class ConnectorConfig:
         for key in _DISK_KEYS:
             if extra.get(key) is not None and not extra.get("disk_path"):
                 raise ConfigError(f"{key} needs disk_path (the disk tier's directory)")
+        if extra.get("redis_key_mirror") is True and str(extra.get("redis_url", "")).split(
+                "://", 1)[0].lower().endswith("+cluster"):
+            raise ConfigError("redis_key_mirror does not work with Redis Cluster (each node "
+                              "notifies only of its own keys); leave it off")
+        if extra.get("redis_key_mirror") is True and not extra.get("redis_url"):
+            raise ConfigError("redis_key_mirror needs redis_url")
         config = cls(blending=blending, **parse(cls, extra))
         for secret in _SECRETS:
             config.secret(secret)  # present and usable now, not at the first Redis call

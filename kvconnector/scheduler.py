@@ -17,7 +17,7 @@ from kvconnector.blend.scheduler import BlendScheduler
 from kvconnector.config import ConnectorConfig
 from kvconnector.events import DISK, MEMORY, TierEvents
 from kvconnector.fetches import Fetches
-from kvconnector.keys import request_seed, reset_seed
+from kvconnector.keys import ChunkKey, request_seed, reset_seed
 from kvconnector.lookups import Lookups
 from kvconnector.metadata import IDLE_WAIT_S, ChunkTransfer, StepPlan, WorkerReport
 from kvconnector.metrics import StoreTap
@@ -25,7 +25,7 @@ from kvconnector.prefix import PrefixReuse
 from kvconnector.request_state import PENDING, PrefixHit, RequestState
 from kvconnector.saves import SavePlanner
 from kvconnector.stats import TransferStats
-from kvconnector.store import MemoryIndex, open_redis
+from kvconnector.store import MemoryIndex, open_mirror, open_redis
 from kvconnector.store.disk_catalog import DiskCatalog
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ class SchedulerHalf:
         # The keys' fingerprint part (the workers compute the same one); chunk hashes chain
         # from ``_seed``, which a cache reset replaces.
         self.fingerprint = compat.fingerprint(vllm_config, kv_cache_config, config).digest()
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._seed = self.fingerprint
         # KV events for routers, when vLLM publishes them (events.py).
         self.events = (TierEvents(self.block_size, config.chunk_size,
@@ -58,14 +59,14 @@ class SchedulerHalf:
             config.memory_slots(compat.chunk_bytes(kv_cache_config, config)),
             on_forget=(lambda h: self.events.removed(MEMORY, h)) if self.events else None)
         self.redis = open_redis(config, for_lookups=True)
-        self.lookups = (Lookups(self.redis, config.redis_lookup_budget_ms / 1000)
+        self.lookups = (Lookups(self.redis, config.redis_lookup_budget_ms / 1000,
+                                open_mirror(config, self.redis, self.fingerprint))
                         if self.redis is not None else None)
         self.disk = DiskCatalog(config.disk_path) if config.disk_path else None
         self.fetches = Fetches(self.index)
         self.stats = TransferStats()
         self.prefix = PrefixReuse(config, self.block_size, self.fingerprint,
-                                  vllm_config.parallel_config.tensor_parallel_size,
-                                  self.index, self.fetches, self.lookups, self.disk,
+                                  self.tp_size, self.index, self.fetches, self.lookups, self.disk,
                                   compat.chunk_bytes(kv_cache_config, config),
                                   by_layer=compat.is_cpu_platform() and config.by_layer(
                                       len(layer_names)))
@@ -185,6 +186,9 @@ class SchedulerHalf:
         if isinstance(report, WorkerReport):
             for h in report.bad_chunks:
                 self.index.drop(h)
+            if self.lookups is not None and report.bad_chunks:
+                self.lookups.forget([ChunkKey(self.fingerprint, r, h)
+                                     for h in report.bad_chunks for r in range(self.tp_size)])
             if self.events is not None:
                 for h in report.disk_removed:
                     self.events.removed(DISK, h)

@@ -96,15 +96,19 @@ def workload(seed: int, redis_url: str | None, n_prompts: int = 8, n_requests: i
              n_engines: int = 3, disk_dir: Path | None = None) -> Workload:
     """Engines of seed ``seed``: each runs its own random sequence over the same prompts.
     With ``redis_url``, about two in three share one Redis key prefix per seed (what one
-    engine stores, the next may load); the others have no Redis. With ``disk_dir``, about
-    half have a disk tier there."""
+    engine stores, the next may load), and about half of those answer lookups from the key
+    mirror; the others have no Redis. With ``disk_dir``, about half have a disk tier
+    there."""
     rng = random.Random(seed)
     disk_rng = random.Random(f"disk{seed}")
+    mirror_rng = random.Random(f"key-mirror{seed}")  # half the Redis engines: the key mirror
     w = Workload(seed, _prompts(rng, n_prompts))
     for _ in range(n_engines):
         url = redis_url if redis_url is not None and rng.random() < 0.67 else None
         w.engines.append(_engine(rng, url, f"diff{seed}"))
         _disk(disk_rng, disk_dir, w.engines[-1]["connector"])
+        if url is not None and mirror_rng.random() < 0.5:
+            w.engines[-1]["connector"]["redis_key_mirror"] = True
         w.batches.append(_batches(rng, n_prompts, n_requests))
     return w
 

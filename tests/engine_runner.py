@@ -466,6 +466,12 @@ def _main(spec_path: str, out_path: str) -> None:
             results.append(llm.collective_rpc(_fence_wait)[0])
         elif op == "redis_keys":
             results.append(_redis_keys(llm, step))
+        elif op == "scheduler_redis_stats":  # the lookups' store (the key mirror's counts)
+            results.append(llm.llm_engine.engine_core.engine_core.scheduler.connector
+                           .scheduler.redis.snapshot())
+        elif op == "redis_flushall":  # a flush sends no keyspace notification per key
+            import redis
+            results.append(redis.Redis.from_url(step["url"]).flushall())
         elif op == "fault_while_parked":
             results.append(_fault_while_parked(llm, step))
         elif op == "shutdown_connector":

@@ -210,3 +210,32 @@ def test_a_value_damaged_in_its_last_layer_is_caught_after_a_layer_by_layer_load
         assert totals["load_errors"] == 1 and totals["redis_loaded_chunks"] == 1, totals
         assert stats["corrupt_reasons"] == {"checksum": 1}, stats
         assert totals.get("layer_loads", 0) == (1 if by_layer else 0), totals
+
+
+def test_the_key_mirror_answers_lookups_and_a_flush_costs_only_a_miss(tiny_model, tmp_path,
+                                                                      baseline, redis_server):
+    """With ``redis_key_mirror`` the scheduler answers lookups from its list of Redis's keys.
+    A ``FLUSHALL`` sends no notification per key, so the list still offers P2's chunks: the
+    fetch finds nothing, and the request is recomputed with vLLM's tokens."""
+    extra = {"memory_capacity": "1MiB",  # 4 fp32 chunks: P3 and P4 push P1 and P2 out
+             "redis_url": redis_server.url, "redis_key_prefix": "mirror",
+             "redis_key_mirror": True}
+    res = run_engine(tmp_path, {
+        "model": tiny_model, "connector": extra, "steps": [
+            {"op": "generate", "prompts": [P1, P2]},  # 0
+            {"op": "flush"}, {"op": "generate", "prompts": [P3, P4]},  # 1, 2
+            {"op": "flush"}, {"op": "totals"},  # 3, 4
+            {"op": "generate", "prompts": [P1]},  # 5: from Redis
+            {"op": "totals"}, {"op": "scheduler_redis_stats"},  # 6, 7
+            {"op": "redis_flushall", "url": redis_server.url},  # 8
+            {"op": "generate", "prompts": [P2]},  # 9: offered, not found, recomputed
+            {"op": "totals"}, {"op": "scheduler_redis_stats"}]})  # 10, 11
+    assert [r["tokens"] for r in res[0] + res[2]] == baseline
+    before, hit, flushed = res[4], res[6], res[10]
+    assert res[5][0]["tokens"] == baseline[0] and res[5][0]["cached"] == P1_HIT
+    assert hit["redis_loaded_chunks"] - before.get("redis_loaded_chunks", 0) >= 1
+    assert hit["load_errors"] == 0
+    # every request after the first few was looked up in the mirror, none asked Redis
+    assert res[7]["mirror_lookups"] >= 3 and res[7]["lookups"] - res[7]["mirror_lookups"] <= 2
+    assert res[9][0]["tokens"] == baseline[1]
+    assert flushed["load_errors"] >= 1 and res[11]["mirror_lookups"] > res[7]["mirror_lookups"]

@@ -14,9 +14,10 @@ if TYPE_CHECKING:
     from kvconnector.keys import Fingerprint
     from kvconnector.store.disk_tier import DiskTier
     from kvconnector.store.memory import ChunkCorrupt, MemoryIndex, SlotPool
+    from kvconnector.store.redis_mirror import RedisKeyMirror
     from kvconnector.store.redis_store import RedisStore
 
-__all__ = ["ChunkCorrupt", "MemoryIndex", "SlotPool", "open_disk", "open_redis"]
+__all__ = ["ChunkCorrupt", "MemoryIndex", "SlotPool", "open_disk", "open_mirror", "open_redis"]
 
 logger = logging.getLogger("kvconnector.store")
 
@@ -56,6 +57,17 @@ def open_redis(config: ConnectorConfig, *, for_lookups: bool = False) -> RedisSt
         kw["mac_key"] = codec.mac_key(secret)
     return RedisStore.from_url(config.redis_url, key_prefix=config.redis_key_prefix,
                                ttl_s=config.redis_ttl_s, **kw)
+
+
+def open_mirror(config: ConnectorConfig, store: RedisStore,
+                fingerprint: bytes) -> RedisKeyMirror | None:
+    """The scheduler's mirror of the store's keys of ``fingerprint`` (this model), if
+    ``redis_key_mirror`` is on."""
+    if not config.redis_key_mirror:
+        return None
+    from kvconnector.store.redis_mirror import RedisKeyMirror
+
+    return RedisKeyMirror(store.mirror_client, store.key_space(fingerprint))
 
 
 def open_disk(config: ConnectorConfig, capacity: int, pool: SlotPool, layout_name: str,

@@ -138,6 +138,14 @@ class RedisConnections:
         if self.cluster and any(e.startswith(("MOVED", "ASK", "CLUSTERDOWN")) for e in errors):
             self._cluster_stale = True
 
+    def new_client(self) -> redis.Redis:
+        """A client of the single server with these connections' settings (URL, password,
+        TLS, timeouts), outside their pool and its call slots."""
+        if self.pool is None:
+            raise ValueError("a Redis Cluster has no single server")
+        kwargs = dict(self._conn_kwargs, max_connections=2)
+        return redis.Redis(connection_pool=redis.ConnectionPool.from_url(self.url, **kwargs))
+
     def close(self) -> None:
         self._closed = True
         self._drain_idle()

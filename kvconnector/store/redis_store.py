@@ -52,10 +52,11 @@ _WARN_EVERY_S = 10.0
 class RedisStoreStats:
     """Counters since the store was made. ``puts``/``put_failed``, ``gets``, ``hits`` and
     ``misses`` count chunks, ``put_bytes``/``get_bytes`` their payload bytes; ``lookups``
-    counts ``exists_prefix`` calls and ``lookup_hits`` the chunks they found. ``errors``,
-    ``timeouts``, ``busy`` (no free connection in time) and ``skipped_in_backoff`` count
-    calls (``errors`` also counts error replies); ``backoffs`` how often the store entered
-    backoff and ``reconnects`` the probes that tried Redis again after one."""
+    counts ``exists_prefix`` calls (``mirror_lookups`` of them the key mirror answered) and
+    ``lookup_hits`` the chunks they found. ``errors``, ``timeouts``, ``busy`` (no free
+    connection in time) and ``skipped_in_backoff`` count calls (``errors`` also counts
+    error replies); ``backoffs`` how often the store entered backoff and ``reconnects``
+    the probes that tried Redis again after one."""
 
     puts: int = 0
     put_bytes: int = 0
@@ -75,6 +76,7 @@ class RedisStoreStats:
     backoffs: int = 0
     reconnects: int = 0
     skipped_in_backoff: int = 0
+    mirror_lookups: int = 0
 
 
 class RedisStore:
@@ -152,8 +154,7 @@ class RedisStore:
     # ---- public API --------------------------------------------------------------------
 
     def redis_key(self, key: Any) -> bytes:
-        key = str(key)
-        return (f"{self.key_prefix}:{key}" if self.key_prefix else key).encode()
+        return (f"{self.key_prefix}:{key}" if self.key_prefix else str(key)).encode()
 
     @property
     def in_backoff(self) -> bool:
@@ -168,30 +169,29 @@ class RedisStore:
         return out
 
     def exists_prefix(self, keys: Sequence[Any], budget_s: float) -> int:
-        """How many leading ``keys`` are stored: one pipelined EXISTS per key, one round
-        trip, all of it within ``budget_s``. Over budget, in backoff or failed: 0."""
-        if not keys:
-            return 0
-        n = 0
-        for found in self._exists(keys, budget_s):
-            if not found:
-                break
-            n += 1
-        self._count(lookups=1, lookup_hits=n)
+        """How many leading ``keys`` are stored (asked as ``exists_many`` asks)."""
+        found = self._exists(keys, budget_s) if keys else []
+        n = next((i for i, ok in enumerate(found) if not ok), len(found))
+        self._count(lookups=1 if keys else 0, lookup_hits=n)
         return n
 
     def exists_many(self, keys: Sequence[Any], budget_s: float) -> list[bool]:
-        """Which ``keys`` are stored, like ``exists_prefix`` (one round trip within
-        ``budget_s``; over budget, in backoff or failed: none)."""
-        if not keys:
-            return []
-        found = self._exists(keys, budget_s)
-        self._count(lookups=1, lookup_hits=sum(found))
+        """Which ``keys`` are stored: one pipelined EXISTS per key, one round trip, all of
+        it within ``budget_s``. Over budget, in backoff or failed: none."""
+        found = self._exists(keys, budget_s) if keys else []
+        self._count(lookups=1 if keys else 0, lookup_hits=sum(found))
         return found
 
+    def key_space(self, fingerprint: bytes) -> bytes:  # starts every key of its chunks
+        return self.redis_key(f"{fingerprint.hex()}:")
+
+    def count_lookup(self, hits: int) -> None:  # one the key mirror answered
+        self._count(lookups=1, lookup_hits=hits, mirror_lookups=1)
+
+    def mirror_client(self) -> Any:  # the key mirror's own client (a single server)
+        return self._connections.new_client()
+
     def _exists(self, keys: Sequence[Any], budget_s: float) -> list[bool]:
-        if not keys:
-            return []
         deadline = time.monotonic() + max(budget_s, 0.0)
         rkeys = [self.redis_key(k) for k in keys]
         found = [False] * len(rkeys)

@@ -135,13 +135,13 @@ class ConnectorConfig:
         for key in _DISK_KEYS:
             if extra.get(key) is not None and not extra.get("disk_path"):
                 raise ConfigError(f"{key} needs disk_path (the disk tier's directory)")
-        if extra.get("redis_key_mirror") is True and str(extra.get("redis_url", "")).split(
-                "://", 1)[0].lower().endswith("+cluster"):
+        config = cls(blending=blending, **parse(cls, extra))
+        if config.redis_key_mirror and not config.redis_url:
+            raise ConfigError("redis_key_mirror needs redis_url")
+        if config.redis_key_mirror and config.redis_url.split("://", 1)[0].lower().endswith(
+                "+cluster"):
             raise ConfigError("redis_key_mirror does not work with Redis Cluster (each node "
                               "notifies only of its own keys); leave it off")
-        if extra.get("redis_key_mirror") is True and not extra.get("redis_url"):
-            raise ConfigError("redis_key_mirror needs redis_url")
-        config = cls(blending=blending, **parse(cls, extra))
         for secret in _SECRETS:
             config.secret(secret)  # present and usable now, not at the first Redis call
         return config

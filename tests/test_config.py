@@ -172,3 +172,15 @@ def test_loads_go_by_layer_for_deep_models_unless_told():
     assert not ConnectorConfig.from_extra_config({"load_by_layer": False}).by_layer(30)
     with pytest.raises(ConfigError, match="load_by_layer"):
         ConnectorConfig.from_extra_config({"load_by_layer": "yes"})
+
+
+@pytest.mark.parametrize("extra, problem", [
+    ({"redis_key_mirror": True}, "needs redis_url"),
+    ({"redis_key_mirror": True, "redis_url": "redis+cluster://h:7000"}, "Redis Cluster"),
+    ({"redis_key_mirror": "yes", "redis_url": "redis://h:6379"}, "expected true or false"),
+])
+def test_the_key_mirror_is_refused_where_it_cannot_work(extra, problem):
+    with pytest.raises(ConfigError, match=problem):
+        ConnectorConfig.from_extra_config(extra)
+    assert ConnectorConfig.from_extra_config(
+        {"redis_key_mirror": True, "redis_url": "redis://h:6379"}).redis_key_mirror

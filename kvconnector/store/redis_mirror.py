@@ -100,16 +100,20 @@ class RedisKeyMirror:
     def _run(self) -> None:
         name_os_thread("kvc-mirror")
         delay = self._retry_s[0]
+        retrying = False  # the last try did not get in sync: say so again only at debug
         while not self._stop.is_set() and self.given_up is None:
-            started = time.monotonic()
+            resyncs = self.resyncs
             try:
                 self._follow()
             except Exception as e:  # a fault of Redis or of its replies: rebuild later
-                logger.warning("kvconnector: Redis key mirror lost sync (%s: %s); lookups "
-                               "ask Redis until it is rebuilt", type(e).__name__, e)
+                lost = self.resyncs != resyncs
+                (logger.debug if retrying and not lost else logger.warning)(
+                    "kvconnector: Redis key mirror %s (%s: %s); lookups ask Redis meanwhile",
+                    "lost sync" if lost else "cannot get in sync", type(e).__name__, e)
+                retrying = not lost
             self.synced = False
             self._keys = set()
-            if time.monotonic() - started > 60:
+            if self.resyncs != resyncs:  # it was in sync: try again soon
                 delay = self._retry_s[0]
             self._stop.wait(delay)
             delay = min(delay * 2, self._retry_s[1])

@@ -18,6 +18,7 @@ from kvconnector.config_schema import (
 )
 from kvconnector.lmcache_config import translate
 from kvconnector.store.codec import MIN_SECRET_BYTES
+from kvconnector.store.redis_url import checked_url
 
 __all__ = ["ConfigError", "ConnectorConfig", "parse_size"]
 
@@ -38,6 +39,13 @@ SYNC_FETCH_BY_LAYER_MIB = 256
 # With fewer layers the forward waits for too much of the load (benchmarks.md 20: a 2-layer
 # model's Redis hits took 1.56-1.75x vLLM's own hit by layer, 1.46-1.49x whole).
 BY_LAYER_MIN_LAYERS = 8
+
+
+def _is_cluster(url: str) -> bool:
+    try:
+        return checked_url(url, False)[1]
+    except ValueError:  # opening the store names what is wrong with the URL
+        return False
 
 
 @dataclass(frozen=True)
@@ -138,8 +146,7 @@ class ConnectorConfig:
         config = cls(blending=blending, **parse(cls, extra))
         if config.redis_key_mirror and not config.redis_url:
             raise ConfigError("redis_key_mirror needs redis_url")
-        if config.redis_key_mirror and config.redis_url.split("://", 1)[0].lower().endswith(
-                "+cluster"):
+        if config.redis_key_mirror and _is_cluster(config.redis_url):
             raise ConfigError("redis_key_mirror does not work with Redis Cluster (each node "
                               "notifies only of its own keys); leave it off")
         for secret in _SECRETS:

@@ -73,7 +73,7 @@ class Lookups:
         replaces an old one; a failed lookup answers ``miss`` (the store counts its faults).
         ``ask`` calls ``exists_many`` or ``exists_prefix`` of what it is given: the store,
         or the mirror's answers."""
-        if self._from_mirror is not None and self.mirror is not None and self.mirror.synced:
+        if self._from_mirror is not None and self._from_mirror.mirror.synced:
             try:
                 return None, ask(self._from_mirror, self.budget_s)
             except OutOfSync:

@@ -186,7 +186,7 @@ class SchedulerHalf:
         if isinstance(report, WorkerReport):
             for h in report.bad_chunks:
                 self.index.drop(h)
-            if self.lookups is not None and report.bad_chunks:
+            if self.lookups is not None and self.lookups.mirror is not None and report.bad_chunks:
                 self.lookups.forget([ChunkKey(self.fingerprint, r, h)
                                      for h in report.bad_chunks for r in range(self.tp_size)])
             if self.events is not None:

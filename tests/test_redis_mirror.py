@@ -57,7 +57,8 @@ def eventually(check, timeout: float = 5.0) -> None:
 
 def mirror_of(store: RedisStore, **kw) -> RedisKeyMirror:
     m = RedisKeyMirror(store.mirror_client, store.key_space(FP), **kw)
-    assert m.wait_synced(5.0), m.given_up
+    eventually(lambda: m.synced or m.given_up is not None)
+    assert m.synced, m.given_up
     return m
 
 

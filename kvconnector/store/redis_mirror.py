@@ -63,7 +63,6 @@ class RedisKeyMirror:
         self.synced = False  # read without a lock: a bool flips atomically
         self.given_up: str | None = None  # why it stopped for good
         self.resyncs = 0
-        self.answered = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvconnector-mirror",
                                         daemon=True)
@@ -77,19 +76,12 @@ class RedisKeyMirror:
         if not self.synced:
             return None
         keys = self._keys
-        self.answered += 1
         return [k in keys for k in rkeys]
 
     def forget(self, rkeys: Sequence[bytes]) -> None:
         """Keys a fetch did not find: a lost notification, or a flush (no event per key)."""
         for k in rkeys:
             self._keys.discard(k)
-
-    def wait_synced(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while not self.synced and time.monotonic() < deadline and self.given_up is None:
-            time.sleep(0.01)
-        return self.synced
 
     def close(self) -> None:
         self._stop.set()

@@ -400,9 +400,40 @@ def cached_by_source(llm) -> dict:
             if m.name == "vllm:prompt_tokens_cached_by_source" and m.value}
 
 
+def _start_errors(spec: dict) -> list[str | None]:
+    """Each of ``spec["start_errors"]`` (connector configs) given to an engine start in
+    turn: the error each start raised, with its causes, or None where it started. Meant for
+    a process of its own (``run_engine(..., fresh=True)``): a failed start may leave state
+    behind."""
+    import traceback
+
+    from vllm import LLM
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    errors: list[str | None] = []
+    for connector in spec["start_errors"]:
+        try:
+            llm = LLM(**engine_kwargs({**spec, "connector": connector}))
+        except Exception as e:
+            errors.append("".join(traceback.format_exception(e)))
+        else:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            errors.append(None)
+        # vLLM keeps the worker's connector and the process group in globals, which a
+        # failed start leaves set: the next start would reuse them.
+        ensure_kv_transfer_shutdown()
+        cleanup_dist_env_and_memory()
+    return errors
+
+
 def _main(spec_path: str, out_path: str) -> None:
     spec = json.load(open(spec_path))
     os.environ.update(spec.get("env", {}))  # e.g. secrets the connector config names
+    if "start_errors" in spec:
+        json.dump(_start_errors(spec), open(out_path, "w"))
+        return
     from vllm import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(spec))

@@ -146,17 +146,3 @@ def test_saves_planned_at_finish_read_the_blocks_before_they_are_reused(tiny_mod
     assert hit["cached"] == (len(first) + answer_tokens - 1) // 128 * 128 == 640
     assert hit["tokens"] == base[0][0]["tokens"]
     assert res[8]["load_errors"] == 0
-
-
-def test_reset_in_multiprocess_mode(tiny_model, tmp_path_factory, new_weights):
-    """vLLM's default mode: the reset reaches the scheduler's connector in the engine-core
-    process, and the workers (another process) follow the keys it plans."""
-    res = run_engine(tmp_path_factory.mktemp("mp-reset"), {
-        "model": tiny_model, "connector": MEM, "steps": [
-            {"op": "generate", "prompts": [P1]}, SCALE,
-            {"op": "reset_prefix_cache", "reset_connector": True},
-            {"op": "generate", "prompts": [P1]},
-            {"op": "generate", "prompts": [P1]}]}, multiprocess=True, timeout=TIMEOUT)
-    assert res[2] is True
-    assert res[3][0]["cached"] == 0 and res[3][0]["tokens"] == new_weights["x4"]
-    assert res[4][0]["cached"] == HIT and res[4][0]["tokens"] == new_weights["x4"]

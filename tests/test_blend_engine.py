@@ -285,7 +285,8 @@ def test_a_document_corrupt_in_redis_is_recomputed_never_served(blend_run, basel
         "model": peaked_mistral, "max_model_len": MAX_LEN,
         "connector": _blend_config(redis_server.url), "steps": [
             {"op": "generate", "prompts": [prompts.p3], "params": RATIO_0},
-            {"op": "totals"}]}, runner="blend_runner.py", multiprocess=True, timeout=600)
+            {"op": "totals"}]}, runner="blend_runner.py", timeout=600)  # in-process: the
+    # test above covers the multi-process engine, and each of those starts vLLM twice
     out, totals = res[0][0], res[1]
     assert out["tokens"] == baseline["p3"]["tokens"]
     assert totals.get("blend_doc_errors", 0) >= 1, totals

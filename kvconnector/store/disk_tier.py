@@ -73,6 +73,9 @@ class DiskTier:
         self.scan_result = None
         self._fingerprint = fingerprint
         self._readers: ThreadPoolExecutor | None = None  # started by the first fetch of several
+        # Not on the spare core, as large Redis writes are: there, with vLLM's engine-core
+        # process, a tiny model's 1024-token miss took 1.24x the opted-out requests against
+        # 1.15x where the worker starts them (docs/benchmarks.md section 25).
         self._puts = PutQueue("disk", self._put_each, threads=write_threads, first=self._scan)
 
     def expected(self, key: ChunkKey, blocks: int = 0) -> ExpectedChunk:

@@ -281,12 +281,13 @@ def test_a_document_corrupt_in_redis_is_recomputed_never_served(blend_run, basel
             damaged[key] = value[:-1] + bytes([value[-1] ^ 0x01])
             c.set(key, damaged[key])
     assert len(damaged) >= 4
+    # An in-process engine: the test above covers the multi-process one (which imports
+    # vLLM twice at each start).
     res = run_engine(tmp_path_factory.mktemp("blend-redis-corrupt"), {
         "model": peaked_mistral, "max_model_len": MAX_LEN,
         "connector": _blend_config(redis_server.url), "steps": [
             {"op": "generate", "prompts": [prompts.p3], "params": RATIO_0},
-            {"op": "totals"}]}, runner="blend_runner.py", timeout=600)  # in-process: the
-    # test above covers the multi-process engine, and each of those starts vLLM twice
+            {"op": "totals"}]}, runner="blend_runner.py", timeout=600)
     out, totals = res[0][0], res[1]
     assert out["tokens"] == baseline["p3"]["tokens"]
     assert totals.get("blend_doc_errors", 0) >= 1, totals

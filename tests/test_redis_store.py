@@ -281,12 +281,14 @@ def test_round_trip_tensors_into_out_buffers(store):
         store.get_many([exps[0].key], [exps[0]], out=[bytearray(10)])
 
 
-@pytest.mark.parametrize("nbytes, sends", [(64 * 1024, 1), (1536 * 1024, 5)])  # GET writes
-def test_large_values_are_asked_for_a_few_at_a_time(store, redis_server, monkeypatch,
-                                                      nbytes, sends):
-    """redis-server builds a whole pipeline's replies before it writes the first: GETs of
-    large values go out as replies come in (at most 2 MiB unanswered), small ones in one
-    pipeline. A miss and a corrupt value among them keep the connection in sync."""
+# GET writes for five values: about 256 KiB unanswered, at least two values, at most 2 MiB.
+@pytest.mark.parametrize("nbytes, sends", [(16 * 1024, 1), (64 * 1024, 2), (128 * 1024, 4),
+                                           (1536 * 1024, 5)])
+def test_values_are_asked_for_a_few_at_a_time(store, redis_server, monkeypatch,
+                                              nbytes, sends):
+    """redis-server builds a whole pipeline's replies before it writes the first: GETs go
+    out as replies come in, so that the client reads a value while the server builds the
+    next. A miss and a corrupt value among them keep the connection in sync."""
     from kvconnector.store import redis_wire
 
     chunks = [make_chunk(i, nbytes, seed=i) for i in range(5)]

@@ -37,8 +37,8 @@ from kvconnector.store.redis_wire import (
     Wire,
     bulk,
     byte_view,
-    reply_window,
     ttl_suffix,
+    value_window,
 )
 
 logger = logging.getLogger("kvconnector.store.redis")
@@ -306,7 +306,7 @@ class RedisStore:
                 results[i] = value
 
         cmds = [b"*2\r\n$3\r\nGET\r\n" + bulk(k) for k in rkeys]
-        window = reply_window(max(e.nbytes for e in expected))
+        window = value_window(max(e.nbytes for e in expected))
         answered = self._connections.call("get", rkeys, cmds, read, None, window)
         results = [r if a else None for r, a in zip(results, answered, strict=True)]
         corrupt = [(i, c) for i, c in corrupt if answered[i]]

@@ -75,16 +75,26 @@ def ttl_suffix(ttl_s: float | None) -> tuple[bytes, int]:
     return b"$2\r\nPX\r\n" + bulk(b"%d" % max(1, round(ttl_s * 1000))), 5
 
 
-# Reply bytes a GET pipeline keeps unanswered at a time. redis-server builds a pipeline's
-# replies in its output buffer before it writes the first: eight 5.6 MiB values came after
-# 24 ms and in 37-45 ms in all, one at a time in 18-24 ms (Redis 6.2, loopback, a quiet
-# 2-core VM; 2 MiB in flight was best for 128 KiB to 5.6 MiB values). docs/benchmarks.md 12.
+# Reply bytes a GET pipeline keeps unanswered. redis-server builds a pipeline's replies in
+# its output buffer before it writes the first: eight 5.6 MiB values came after 24 ms and in
+# 37-45 ms in all, one at a time in 18-24 ms (Redis 6.2, loopback, a quiet 2-core VM; 2 MiB
+# in flight was best for 1 to 5.6 MiB values). docs/benchmarks.md 12.
 REPLY_BYTES_IN_FLIGHT = 2 << 20
+# Whole values: about 256 KiB unanswered, at least two values, so the client reads one
+# while redis-server builds the next. Sixteen 128 KiB values of a tiny-model hit, in the
+# engine, where vLLM's engine-core process spins on redis-server's core: 1.8-2.2 ms with
+# two in flight, 2.8-4.1 ms with all sixteen (docs/benchmarks.md section 26).
+VALUE_BYTES_WANTED = 256 << 10
 
 
 def reply_window(value_bytes: int) -> int:
-    """How many GETs of values of this size to keep unanswered."""
+    """How many GETs (or GETRANGEs) of replies of this size to keep unanswered."""
     return max(1, REPLY_BYTES_IN_FLIGHT // max(1, value_bytes))
+
+
+def value_window(value_bytes: int) -> int:
+    """How many GETs of whole values of this size to keep unanswered."""
+    return min(reply_window(value_bytes), max(2, VALUE_BYTES_WANTED // max(1, value_bytes)))
 
 
 def gather(cmds: list[Any], idx: Sequence[int]) -> list[Any]:

@@ -28,8 +28,10 @@ from kvconnector import threads
 from kvconnector.layout import LayerLayout
 
 # Waking the helper on the other core cost 0.3-0.4 ms a load here (tiny-model loads of
-# 0.5-2 MiB got that much slower); a copy of 16 MiB takes ~1.3 ms on one thread.
-HELPER_MIN_BYTES = 16 << 20
+# 0.5-2 MiB got that much slower). In the engine a load's pages are out of cache and copy
+# at 3-4 GB/s: a tiny-model 16000-token hit's 7.75 MiB took 2.10-2.19 ms on one thread,
+# 1.50-1.87 ms with the helper (docs/benchmarks.md section 26).
+HELPER_MIN_BYTES = 6 << 20
 
 
 @dataclass(frozen=True)

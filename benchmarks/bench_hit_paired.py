@@ -19,6 +19,11 @@ another, with kvconnector (memory tier and Redis) attached and vLLM's prefix cac
 With ``--disk`` the engines have a disk tier instead of Redis, and the first hit reads the
 files a first engine wrote into the same directory.
 
+With ``--example``, as many engines again run vLLM's ``ExampleConnector`` (safetensors files
+in a temporary folder) instead of kvconnector, on the same prompts: the first request of a
+prompt is a miss that stores it, then vLLM's own hit, ``reset_prefix_cache()``, and the
+ExampleConnector's hit. Its ratio is over vLLM's hit in its own engine, as kvconnector's are.
+
 Each hit follows the same pause (``--pause``) and 16-token request (which also flushes the
 connector's timers), as in ``bench_peers.py``. A ratio is a prompt's hit time over its vLLM
 hit time in the same engine; the ratio per length is the median over every prompt and engine. The
@@ -52,12 +57,12 @@ from common import (
     write_results,
 )
 
-TIERS = ("redis", "disk", "vllm", "memory")
+TIERS = ("redis", "disk", "vllm", "memory", "example")
 GOALS = {"memory": 1.05, "redis": 1.25}
 
 
 def run_engine(model: str, args, kvt: dict, prompts: dict[int, list[list[int]]],
-               lower: str | None) -> dict:
+               lower: str | None, reloaded: str = "memory") -> dict:
     """Per length, per prompt: each tier's hit time, first token and connector timers."""
     max_len = max(prompts) + 64
     out: dict[int, list[dict]] = {}
@@ -91,7 +96,7 @@ def run_engine(model: str, args, kvt: dict, prompts: dict[int, list[list[int]]],
                 rec["vllm"] = hit(p)
                 if not llm.reset_prefix_cache():
                     raise RuntimeError("vLLM did not reset its prefix cache")
-                rec["memory"] = hit(p)
+                rec[reloaded] = hit(p)
                 out[n].append(rec)
     return out
 
@@ -114,6 +119,9 @@ def main() -> None:
     p.add_argument("--key-mirror", action="store_true",
                    help="the engines answer Redis lookups from their key mirror "
                         "(redis_key_mirror)")
+    p.add_argument("--example", action="store_true",
+                   help="also as many engines with vLLM's ExampleConnector, whose hit after "
+                        "reset_prefix_cache() is paired with vLLM's own hit the same way")
     p.add_argument("--plot", default=None)
     args = p.parse_args()
     if args.disk:
@@ -154,7 +162,14 @@ def bench(args, disk_root: str | None) -> None:
         engines.append(in_fresh_process(run_engine, model, args, kvt, prompts, lower))
         if lower == "disk":
             shutil.rmtree(directory)
-    tiers = [t for t in TIERS if t in ("vllm", "memory") or t == lower]
+        if args.example:
+            with tempfile.TemporaryDirectory(prefix="kvc-example-connector-") as folder:
+                example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"shared_storage_path": folder}}
+                engines.append(in_fresh_process(run_engine, model, args, example, prompts,
+                                                None, "example"))
+    tiers = [t for t in TIERS if t in ("vllm", "memory") or t == lower
+             or (t == "example" and args.example)]
     report(args, model, lengths, tiers, engines)
 
 
@@ -172,20 +187,23 @@ def report(args, model: str, lengths: list[int], tiers: list[str],
         for n in lengths:
             recs = runs[n]
             for t in tiers:
-                secs[t][n] += [r[t]["s"] for r in recs]
+                secs[t][n] += [r[t]["s"] for r in recs if t in r]
             for t in loaded:
+                if t not in recs[0]:
+                    continue  # kvconnector's engines or ExampleConnector's
                 mine = [r[t]["s"] / r["vllm"]["s"] for r in recs]
                 ratios[t][n] += mine
                 per_engine[t][n].append(statistics.median(mine))
                 for r in recs:
                     for k, v in r[t]["phases"].items():
                         phases[t][n][k] = phases[t][n].get(k, 0.0) + v / (
-                            len(recs) * len(engines))
+                            len(recs) * sum(t in runs_[n][0] for runs_ in engines))
                     if r[t]["token"] != r["vllm"]["token"]:
                         differ.append(f"engine {e}, {n} tokens, {t}")
     med = {t: {n: statistics.median(ratios[t][n]) for n in lengths} for t in loaded}
     print(f"\na hit against vLLM's own hit of the same prompt in the same engine; {model} "
-          f"({args.dtype}), {args.prompts} prompts x {len(engines)} engines per length")
+          f"({args.dtype}), {args.prompts} prompts x {len(per_engine['memory'][lengths[0]])} "
+          "engines per length and connector")
     print(f"{'tokens':>7} {'vLLM hit':>10} " + " ".join(
         f"{t + ' hit':>12} {'ratio':>7} {'per engine':>22}" for t in loaded))
     for n in lengths:
@@ -202,6 +220,8 @@ def report(args, model: str, lengths: list[int], tiers: list[str],
     for t in loaded:
         for n in lengths:
             parts = sorted(phases[t][n].items(), key=lambda kv: -kv[1])[:6]
+            if not parts:
+                continue  # ExampleConnector has no phase timers
             print(f"  {t}, {n} tokens: " + ", ".join(f"{k} {v * 1000:.2f}" for k, v in parts))
     out = write_results(args.out, "hit_paired", {
         "model": model, "dtype": args.dtype, "lengths": lengths, "prompts": args.prompts,

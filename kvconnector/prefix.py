@@ -62,6 +62,8 @@ class PrefixReuse:
         req = st.request
         # A load must leave at least one token for the forward pass.
         cap = (req.num_tokens - 1) // self.block_size * self.block_size
+        if cap <= num_computed:
+            return None  # vLLM's own hit holds all a load could give: ask no tier
         held = self._held(st, cap)
         if held is None:
             return PENDING

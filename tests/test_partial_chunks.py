@@ -181,6 +181,23 @@ def test_a_lone_request_waits_for_its_redis_answer_others_ask_again(half, monkey
         half.prefix.lookups.shutdown()
 
 
+def test_vllm_s_own_full_hit_asks_no_tier(half):
+    """When vLLM's prefix cache already holds every block a load could fill (all but the
+    last token's), nothing is looked up: no hashing of the tiers, and above all no Redis
+    question, whose answer would hold the request back a step (or a wait when alone)."""
+    tokens = prompt(1, 100)
+    redis = FakeRedis(set())  # would answer only once the gate opens
+    half.lookups = half.prefix.lookups = Lookups(redis, 1.0)
+    try:
+        assert half.get_num_new_matched_tokens(FakeRequest("r", tokens), 96) == (0, False)
+        assert half.get_num_new_matched_tokens(FakeRequest("s", tokens), 80) == (None, False)
+        redis.gate.set()  # vLLM's hit one block short: Redis is asked about that block
+        half.prefix.lookups.wait(5)
+        assert len(redis.asked) == 1
+    finally:
+        half.prefix.lookups.shutdown()
+
+
 def _redis_hit(half: SchedulerHalf, req: FakeRequest, others: int = 0):
     """``req``'s answer once Redis (holding chunk 0 and one block of chunk 1) answered."""
     tokens = req.all_token_ids

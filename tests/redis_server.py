@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import redis
@@ -60,17 +60,22 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def free_port(cluster: bool = False) -> int:
-    """A free TCP port on 127.0.0.1. A cluster node also needs port + 10000 (its bus) free,
-    so its port is at most 55535."""
+def free_port(cluster: bool = False, avoid: Collection[int] = ()) -> int:
+    """A free TCP port on 127.0.0.1, not in ``avoid`` (ports picked but not yet bound). A
+    cluster node also needs port + 10000 (its bus) free, so its port is at most 55535."""
     if not cluster:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+        for _ in range(100):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in avoid:
+                return port
+        raise RuntimeError("no free port")
     rng = random.Random()
+    taken = {q for p in avoid for q in (p - 10000, p, p + 10000)}
     for _ in range(1000):
         port = rng.randint(20000, 55535)
-        if _bindable(port) and _bindable(port + 10000):
+        if port not in taken and _bindable(port) and _bindable(port + 10000):
             return port
     raise RuntimeError("no free port pair for a cluster node")
 
@@ -84,6 +89,10 @@ def server_version(binary: str | None = None) -> tuple[int, ...]:
     return (0,)
 
 
+class PortTaken(RuntimeError):
+    """Another process holds the port a redis-server was to listen on."""
+
+
 class RedisServer:
     """One redis-server: ``start()``, ``stop()``, ``kill()`` (SIGKILL), ``restart()`` (same
     port, empty data). Faults: ``pause()`` (CLIENT PAUSE: a slow server),
@@ -93,6 +102,7 @@ class RedisServer:
                  password: str | None = None, unixsocket: bool = False,
                  binary: str | None = None, startup_timeout_s: float = 10.0) -> None:
         self.binary = binary or find_redis_binary()
+        self._port_picked = not port  # ours to change if another process takes it first
         self.port = port or free_port()
         self.extra_args = list(extra_args)
         self.password = password
@@ -138,24 +148,42 @@ class RedisServer:
     def start(self) -> RedisServer:
         if self.proc is not None and self.proc.poll() is None:
             return self
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                     cwd=self.dir)
-        _LIVE.add(self.proc)
-        self._wait_ready()
+        for attempt in range(5):
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._log.unlink(missing_ok=True)  # this attempt's log only
+            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                         cwd=self.dir)
+            _LIVE.add(self.proc)
+            try:
+                self._wait_ready()
+                self._port_picked = False  # a restart keeps the port its clients know
+                return self
+            except PortTaken:
+                self._terminate(signal.SIGKILL)
+                if not self._port_picked or attempt == 4:
+                    raise
+                cluster = "--cluster-enabled" in self.extra_args
+                self.port = free_port(cluster=cluster, avoid=(self.port,))
+                shutil.rmtree(self.dir, ignore_errors=True)  # no half-written nodes.conf
         return self
 
     def _wait_ready(self) -> None:
+        """Until this process answers PING. Another server answering on the port (one that
+        took it between ``free_port`` and now) is not ready: it raises PortTaken."""
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: "
-                                   f"{self.log_tail()}")
+                log = self.log_tail()
+                error = PortTaken if "already in use" in log else RuntimeError
+                raise error(f"redis-server exited with {self.proc.returncode}: {log}")
             try:
                 with self.client(socket_timeout=0.5, socket_connect_timeout=0.5) as c:
-                    if c.ping():
-                        return
+                    pid = int(c.info("server")["process_id"])
+                if pid == self.proc.pid:
+                    return
+                raise PortTaken(f"port {self.port} answers from process {pid}, "
+                                f"not the redis-server started ({self.proc.pid})")
             except redis.RedisError:
                 pass
             if time.monotonic() > deadline:
@@ -260,7 +288,10 @@ class RedisClusterServers:
         self.ready_timeout_s = ready_timeout_s
         self.nodes: list[RedisServer] = []
         for _ in range(n):
-            node = RedisServer(port=free_port(cluster=True), binary=binary)
+            # Distinct ports: two nodes on one port would look like one node started twice.
+            port = free_port(cluster=True, avoid=[node.port for node in self.nodes])
+            node = RedisServer(port=port, binary=binary)
+            node._port_picked = True
             node.extra_args = ["--cluster-enabled", "yes",
                                "--cluster-config-file", str(node.dir / "nodes.conf"),
                                "--cluster-node-timeout", "5000",

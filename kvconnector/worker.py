@@ -23,7 +23,7 @@ from kvconnector.ledger import Ledger
 from kvconnector.metadata import IDLE_WAIT_S, ChunkTransfer, StepPlan, WorkerReport
 from kvconnector.metrics import DiskTap, StoreTap
 from kvconnector.stats import TransferStats
-from kvconnector.store import ChunkCorrupt, SlotPool, open_disk, open_redis, open_redis_tier
+from kvconnector.store import ChunkCorrupt, SlotPool, open_disk, open_redis
 from kvconnector.store.disk_space import disk_capacity
 from kvconnector.store.disk_tier import DiskTier
 from kvconnector.store.memory import host_memory
@@ -35,6 +35,13 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from kvconnector.kernels.host_transfer import HostTransfer
+
+# A chunk at least this large goes to Redis from a thread on the cores vLLM left spare
+# (CPU build), not the forward's: its copy into socket buffers is then off the forward's
+# core. SmolLM2 (5.6 MiB chunks), 1024-token misses with Redis: 1.073x the requests that
+# opted out with it on the forward's core, 1.019x on the spare core; the tiny model (112
+# KiB chunks): 1.158x and 1.192x (docs/benchmarks.md section 22).
+PUT_ON_SPARE_MIN_BYTES = 1 << 20
 
 logger = logging.getLogger("kvconnector.worker")
 
@@ -110,9 +117,12 @@ class WorkerHalf:
                                        self.layout.family, self.fingerprint_fields,
                                        self.blocks_per_chunk, self._kv_events)
         if redis is not None:
-            self.redis_tier = open_redis_tier(redis, self.pool, self.layout.family,
-                                              self.fingerprint_fields, self.blocks_per_chunk,
-                                              self._spare_cores)
+            self.redis_tier = RedisTier(redis, self.pool, self.layout.family,
+                                        fingerprint=self.fingerprint_fields,
+                                        blocks_per_chunk=self.blocks_per_chunk,
+                                        put_cores=self._spare_cores if
+                                        self.pool.chunk_bytes >= PUT_ON_SPARE_MIN_BYTES
+                                        else None)
         if self.layers[0].is_cuda:
             from kvconnector.kernels.host_transfer import HostTransfer
 
@@ -150,7 +160,8 @@ class WorkerHalf:
                 self.finish_layer_loads()  # the last step's, were it never finished
                 self.layer_loads.start(plan.loads)  # the forward waits layer by layer
                 return
-            self._fetch_and_load(plan.loads, on_copy_thread=False)
+            self._fetch(plan.loads)
+            self._load_chunks(plan.loads, on_copy_thread=False)
         except Exception:  # never the request, never the engine: a recompute
             logger.exception("kvconnector: loading %d chunks failed", len(plan.loads))
             for t in plan.loads:
@@ -184,7 +195,8 @@ class WorkerHalf:
 
     def _load_request(self, req_id: str, transfers: list[ChunkTransfer]) -> None:
         try:
-            self._fetch_and_load(transfers, on_copy_thread=True)
+            self._fetch(transfers)
+            self._load_chunks(transfers, on_copy_thread=True)
         except Exception:  # blocks that may not have been written are recomputed
             logger.exception("kvconnector: loading request %s failed; its blocks will be "
                              "recomputed", req_id)
@@ -194,23 +206,11 @@ class WorkerHalf:
             self.ledger.received(req_id)
             self.ledger.fetch_over()
 
-    def _fetch_and_load(self, transfers: list[ChunkTransfer], on_copy_thread: bool) -> None:
-        """Chunks promoted from the disk or Redis are fetched into their slots, each copied
-        into its blocks as it arrives (while the next one comes); then the rest at once."""
+    def _fetch(self, transfers: list[ChunkTransfer]) -> None:
+        """Chunks promoted from the disk or Redis, into their slots."""
         assert self.store is not None
-        fetched: dict[int, list[ChunkTransfer]] = {}
-        for t in transfers:
-            if t.source != "memory" and t.slot >= 0:
-                fetched.setdefault(t.slot, []).append(t)
-        done: set[int] = set()
-
-        def arrived(slot: int) -> None:
-            self._load_chunks(fetched[slot], on_copy_thread)
-            done.update(id(t) for t in fetched[slot])  # loaded, or reported as failed
-
-        self.store.fetch([(slot, ts[0].chunk_hash, ts[0].source, ts[0].blocks)
-                          for slot, ts in fetched.items()], arrived)
-        self._load_chunks([t for t in transfers if id(t) not in done], on_copy_thread)
+        self.store.fetch([(t.slot, t.chunk_hash, t.source, t.blocks) for t in transfers
+                          if t.source != "memory" and t.slot >= 0])
 
     def _load_chunks(self, transfers: list[ChunkTransfer], on_copy_thread: bool) -> None:
         """Check every slot's key, then move all the chunks that passed at once. A slot

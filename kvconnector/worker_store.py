@@ -5,7 +5,7 @@ seal and fetch through it, so a fetch is timed and counted the same way for eith
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -47,13 +47,12 @@ class WorkerStore:
         for tier in self.tiers:
             tier.offload(slot, key, blocks)
 
-    def fetch(self, wanted: Sequence[tuple[int, bytes, str, int]],
-              arrived: Callable[[int], None] | None = None) -> None:
+    def fetch(self, wanted: Sequence[tuple[int, bytes, str, int]]) -> None:
         """Fill each ``(slot, chunk hash, tier, blocks)`` from the tier the scheduler found
         it in, or a farther one (copy thread); ``blocks``: of a partial chunk, else 0. A
         chunk that does not arrive leaves its slot unsealed, so reading it fails and its
         blocks are recomputed. A chunk fetched from Redis is also written to the disk
-        tier. ``arrived(slot)`` as each slot is sealed; its time is not the fetch's."""
+        tier."""
         if not wanted or not self.tiers:
             return
         if self._copy_stream is not None:
@@ -62,36 +61,25 @@ class WorkerStore:
         names = [t.name for t in self.tiers]
         todo = [(slot, h, names.index(src) if src in names else len(names), blocks)
                 for slot, h, src, blocks in wanted]
-        spent = [0.0]  # in ``arrived``
-
-        def timed(slot: int) -> None:
-            assert arrived is not None
-            t0 = time.perf_counter()
-            try:
-                arrived(slot)
-            finally:
-                spent[0] += time.perf_counter() - t0
-
         for i, tier in enumerate(self.tiers):
             asked = [(slot, h, blocks) for slot, h, first, blocks in todo if first <= i]
             if not asked:
                 continue
-            start, before = time.perf_counter(), spent[0]
-            got = tier.fetch([(slot, self.key(h), blocks) for slot, h, blocks in asked],
-                             timed if arrived is not None else None)
-            elapsed = time.perf_counter() - start - (spent[0] - before)
+            start = time.perf_counter()
+            got = tier.fetch([(slot, self.key(h), blocks) for slot, h, blocks in asked])
+            elapsed = time.perf_counter() - start
             n = sum(got)
             self.ledger.count(**{f"{tier.name}_loaded_chunks": n,
                                  f"{tier.name}_misses": len(asked) - n,
                                  "load_seconds": elapsed,
                                  f"phase_seconds.{tier.name}_fetch": elapsed})
             self.ledger.observe(**{f"{tier.name}_fetch_seconds": elapsed})
-            landed = {slot for (slot, _, _), ok in zip(asked, got, strict=True) if ok}
+            arrived = {slot for (slot, _, _), ok in zip(asked, got, strict=True) if ok}
             if tier.name == "redis":
                 for slot, h, blocks in asked:
-                    if slot in landed:
+                    if slot in arrived:
                         self.to_disk(slot, h, blocks)
-            todo = [t for t in todo if t[0] not in landed]
+            todo = [t for t in todo if t[0] not in arrived]
 
     def to_disk(self, slot: int, chunk_hash: bytes, blocks: int = 0) -> None:
         """A chunk that arrived from Redis is also written to the disk tier, if any."""

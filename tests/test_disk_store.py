@@ -143,15 +143,7 @@ def test_a_fetch_of_several_reads_them_at_once_each_into_its_own_slot(tmp_path):
 
         tier.files.read_into = watched
         wanted = [(5 + i, key(k), 0) for i, k in enumerate([1, 2, 3, 4, 9, 5, 6])]
-        handed: list[tuple[int, str]] = []  # on the caller's thread, in order, sealed
-
-        def arrived(slot: int) -> None:
-            pool.read(slot, wanted[slot - 5][1])
-            handed.append((slot, threading.current_thread().name))
-
-        assert tier.fetch(wanted, arrived) == [True, True, False, True, False, True, True]
-        me = threading.current_thread().name
-        assert handed == [(5, me), (6, me), (8, me), (10, me), (11, me)]
+        assert tier.fetch(wanted) == [True, True, False, True, False, True, True]
         for slot, k, _ in wanted:
             if k not in (key(3), key(9)):
                 want = torch.arange(pool.buffer[0].numel()).view(SHAPE) + float(

@@ -308,47 +308,6 @@ def test_values_are_asked_for_a_few_at_a_time(store, redis_server, monkeypatch,
     assert s["hits"] == 3 and s["corrupt"] == 1 and s["errors"] == 0
 
 
-def test_each_value_is_handed_over_once_the_get_after_it_is_out(store, redis_server,
-                                                                monkeypatch):
-    """``arrived(i)`` comes for every value that is in and checked, in order, each after
-    the GET that keeps the window full was sent (the caller uses a value while the next
-    ones come); never for a miss or a corrupt value. A caller that fails on one value
-    costs no other value and is no Redis fault."""
-    from kvconnector.store import redis_wire
-
-    nbytes = 128 << 10  # two unanswered at a time
-    chunks = [make_chunk(i, nbytes, seed=i) for i in range(7)]
-    store.put_many([item(*chunks[i]) for i in (0, 1, 2, 4, 5, 6)])
-    bad_exp, bad_payload = chunks[5]
-    redis_server.client().set(store.redis_key(bad_exp.key),
-                              _variant("corrupt_byte", bad_exp, bad_payload))
-    send = redis_wire.Wire.send
-    sent = [0]  # GETs sent
-
-    def counted(self, bufs):
-        sent[0] += sum(bytes(b).count(b"\r\nGET\r\n") for b in bufs)
-        return send(self, bufs)
-
-    monkeypatch.setattr(redis_wire.Wire, "send", counted)
-    handed: list[tuple[int, int]] = []
-
-    def arrived(i: int) -> None:
-        handed.append((i, sent[0]))
-        if i == 1:
-            raise RuntimeError("the caller's own bug")
-
-    got = store.get_many([e.key for e, _ in chunks], [e for e, _ in chunks],
-                         arrived=arrived)
-    assert [None if g is None else bytes(g) for g in got] == [
-        chunks[0][1], chunks[1][1], chunks[2][1], None, chunks[4][1], None, chunks[6][1]]
-    assert [i for i, _ in handed] == [0, 1, 2, 4, 6]
-    for i, sent_then in handed:
-        assert sent_then >= min(i + 3, 7), (i, sent_then)  # GETs up to i + 2 were out
-    s = store.snapshot()
-    assert s["hits"] == 5 and s["corrupt"] == 1 and s["errors"] == 0
-    assert not store.in_backoff
-
-
 def test_missing_keys_are_misses(store):
     exp, payload = make_chunk(1, 1024)
     store.put_many([item(exp, payload)])

@@ -133,33 +133,6 @@ def test_redis_puts_a_batch_in_one_pipeline_and_every_chunk_reads_back(server):
     tier.close(5)
 
 
-def test_a_redis_fetch_hands_each_slot_over_sealed_as_it_arrives(server):
-    """The worker copies a chunk into its blocks while the next one comes: each slot it
-    is handed is already sealed under its key and holds the stored bytes."""
-    shape = (2, 2, 16, 2, 8)
-    redis = RedisStore.from_url(server.url, key_prefix="arrive", timeout_s=2.0)
-    pool = SlotPool(4, shape, torch.float32, checksums=True)
-    writer = RedisTier(redis, pool, "chunk")
-    keys = [ChunkKey(b"f" * 16, 0, bytes([i]) * 16) for i in range(4)]
-    gen = torch.Generator().manual_seed(2)
-    for slot in (0, 1, 3):  # keys[2] is never stored
-        pool.begin_write(slot).copy_(torch.randn(shape, generator=gen))
-        pool.end_write(slot, keys[slot])
-        writer.offload(slot, keys[slot])
-    assert writer.flush(10)
-    reader = SlotPool(4, shape, torch.float32, checksums=True)
-    handed: list[int] = []
-
-    def arrived(slot: int) -> None:
-        assert torch.equal(reader.read(slot, keys[slot]), pool.buffer[slot])
-        handed.append(slot)
-
-    got = RedisTier(redis, reader, "chunk").fetch([(i, k, 0) for i, k in enumerate(keys)],
-                                                  arrived)
-    assert got == [True, True, False, True] and handed == [0, 1, 3]
-    writer.close(5)
-
-
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity here")
 def test_the_redis_write_thread_runs_on_the_cores_it_is_given(server):
     """On the CPU build the worker hands it the cores vLLM left spare: its copies into

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import ast
-import time
 from pathlib import Path
 
 import pytest
@@ -55,14 +54,12 @@ class FakeTier:
         self.offloaded: list[int] = []
         self.asked: list[int] = []
 
-    def fetch(self, wanted, arrived=None):
+    def fetch(self, wanted):
         for slot, key, _ in wanted:
             self.asked.append(slot)
             self.pool.begin_write(slot)
             if slot in self.arrive:
                 self.pool.end_write(slot, key, for_redis=False)
-                if arrived is not None:
-                    arrived(slot)
         return [slot in self.arrive for slot, _, _ in wanted]
 
     def offload(self, slot, key, blocks=0):
@@ -122,28 +119,6 @@ def test_store_fetch_asks_the_disk_then_redis_and_writes_redis_chunks_to_disk():
     data = ledger.take_stats().data
     assert (data["disk_loaded_chunks"], data["disk_misses"]) == (1, 1)
     assert (data["redis_loaded_chunks"], data["redis_misses"]) == (2, 1)
-
-
-def test_store_fetch_hands_each_sealed_slot_over_and_times_it_apart():
-    """``arrived`` gets each slot that arrived, sealed, from whichever tier it came; the
-    time spent in it is not counted as the fetch's (the phase breakdown adds them)."""
-    pool = SlotPool(4, (2, 8), torch.float32)
-    ledger = Ledger()
-    disk, redis = FakeTier(pool, {0}, "disk"), FakeTier(pool, {1, 2}, "redis")
-    store = WorkerStore(pool, [disk, redis], b"f" * 16, 0, ledger)
-    handed: list[int] = []
-
-    def arrived(slot: int) -> None:
-        store.read(slot, h(slot))  # sealed by now
-        handed.append(slot)
-        time.sleep(0.05)
-
-    store.fetch([(0, h(0), "disk", 0), (1, h(1), "disk", 0), (2, h(2), "redis", 0),
-                 (3, h(3), "redis", 0)], arrived)
-    assert handed == [0, 1, 2]  # 3 never arrived
-    data = ledger.take_stats().data
-    fetch = data["phase_seconds.disk_fetch"] + data["phase_seconds.redis_fetch"]
-    assert fetch < 0.05, fetch  # three sleeps of 50 ms were the caller's
 
 
 def test_blend_worker_is_a_plug_in_of_the_worker_half():

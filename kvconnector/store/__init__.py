@@ -16,10 +16,8 @@ if TYPE_CHECKING:
     from kvconnector.store.memory import ChunkCorrupt, MemoryIndex, SlotPool
     from kvconnector.store.redis_mirror import RedisKeyMirror
     from kvconnector.store.redis_store import RedisStore
-    from kvconnector.store.tiering import RedisTier
 
-__all__ = ["ChunkCorrupt", "MemoryIndex", "SlotPool", "open_disk", "open_mirror", "open_redis",
-           "open_redis_tier"]
+__all__ = ["ChunkCorrupt", "MemoryIndex", "SlotPool", "open_disk", "open_mirror", "open_redis"]
 
 logger = logging.getLogger("kvconnector.store")
 
@@ -86,22 +84,3 @@ def open_disk(config: ConnectorConfig, capacity: int, pool: SlotPool, layout_nam
                     direct_io=config.disk_direct_io, write_threads=config.disk_write_threads,
                     fingerprint=fingerprint, blocks_per_chunk=blocks_per_chunk,
                     track_gone=track_gone)
-
-
-# A chunk at least this large goes to Redis from a thread on the cores vLLM left spare
-# (CPU build), not the forward's: its copy into socket buffers is then off the forward's
-# core. SmolLM2 (5.6 MiB chunks), 1024-token misses with Redis: 1.073x the requests that
-# opted out with it on the forward's core, 1.019x on the spare core; the tiny model (112
-# KiB chunks): 1.158x and 1.192x (docs/benchmarks.md section 22).
-PUT_ON_SPARE_MIN_BYTES = 1 << 20
-
-
-def open_redis_tier(redis: RedisStore, pool: SlotPool, layout_name: str,
-                    fingerprint: Fingerprint, blocks_per_chunk: int,
-                    spare_cores: set[int]) -> RedisTier:
-    """This worker's Redis tier, writing from the spare cores when chunks are big."""
-    from kvconnector.store.tiering import RedisTier
-
-    big = pool.chunk_bytes >= PUT_ON_SPARE_MIN_BYTES
-    return RedisTier(redis, pool, layout_name, fingerprint=fingerprint,
-                     blocks_per_chunk=blocks_per_chunk, put_cores=spare_cores if big else None)

@@ -78,12 +78,10 @@ class SlotBytes:
 class LowerTier(Protocol):
     name: str  # "disk" | "redis": the tier's label in counters and metrics
 
-    def fetch(self, wanted: Sequence[tuple[int, ChunkKey, int]],
-              arrived: Callable[[int], None] | None = None) -> list[bool]:
+    def fetch(self, wanted: Sequence[tuple[int, ChunkKey, int]]) -> list[bool]:
         """Fill and seal each ``(slot, key, blocks)`` (``blocks``: of a partial chunk, or
         0); which arrived intact. A slot that did not stays unsealed, so a load of it
-        reports an error. ``arrived(slot)``, on the calling thread, as each slot is sealed
-        while later ones are still coming."""
+        reports an error."""
         ...
 
     def offload(self, slot: int, key: ChunkKey, blocks: int = 0) -> None:
@@ -237,24 +235,18 @@ class RedisTier:
     def expected(self, key: ChunkKey, blocks: int = 0) -> ExpectedChunk:
         return self.bytes.expected(key, blocks)
 
-    def fetch(self, wanted: Sequence[tuple[int, ChunkKey, int]],
-              arrived: Callable[[int], None] | None = None) -> list[bool]:
-        """Fill and seal each ``(slot, key, blocks)`` from Redis in one pipeline; each slot
-        is sealed, and handed to ``arrived``, as soon as its value is in and checked."""
+    def fetch(self, wanted: Sequence[tuple[int, ChunkKey, int]]) -> list[bool]:
+        """Fill and seal each ``(slot, key, blocks)`` from Redis in one pipeline."""
         for slot, _, _ in wanted:
             self.pool.begin_write(slot)
         into = [self.bytes.to_receive(slot, blocks) for slot, _, blocks in wanted]
-
-        def seal(i: int) -> None:  # checked by the codec (checksum or MAC) before this
-            slot, key, blocks = wanted[i]
-            self.bytes.received(slot, blocks, into[i][1])
-            self.pool.end_write(slot, key, for_redis=False)  # Redis holds it
-            if arrived is not None:
-                arrived(slot)
-
         got = self.redis.get_many([k for _, k, _ in wanted],
                                   [self.expected(k, b) for _, k, b in wanted],
-                                  out=[view for view, _ in into], arrived=seal)
+                                  out=[view for view, _ in into])
+        for (slot, key, blocks), payload, (_, packed) in zip(wanted, got, into, strict=True):
+            if payload is not None:  # checked by the codec (checksum or MAC) before this
+                self.bytes.received(slot, blocks, packed)
+                self.pool.end_write(slot, key, for_redis=False)  # Redis holds it
         return [p is not None for p in got]
 
     def offload(self, slot: int, key: ChunkKey, blocks: int = 0) -> None:

@@ -169,8 +169,8 @@ class RedisServer:
         return self
 
     def _wait_ready(self) -> None:
-        """Until this process answers PING. Another server answering on the port (one that
-        took it between ``free_port`` and now) is not ready: it raises PortTaken."""
+        """Until this process answers (INFO names its pid). Another server answering on the
+        port (one that took it between ``free_port`` and now) raises PortTaken."""
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             if self.proc.poll() is not None:

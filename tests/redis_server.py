@@ -100,9 +100,11 @@ class RedisServer:
 
     def __init__(self, port: int | None = None, extra_args: Sequence[str] = (), *,
                  password: str | None = None, unixsocket: bool = False,
-                 binary: str | None = None, startup_timeout_s: float = 10.0) -> None:
+                 binary: str | None = None, startup_timeout_s: float = 10.0,
+                 port_picked: bool | None = None) -> None:
         self.binary = binary or find_redis_binary()
-        self._port_picked = not port  # ours to change if another process takes it first
+        # Ours to change if another process takes it first: one this helper chose.
+        self._port_picked = not port if port_picked is None else port_picked
         self.port = port or free_port()
         self.extra_args = list(extra_args)
         self.password = password
@@ -166,7 +168,7 @@ class RedisServer:
                 cluster = "--cluster-enabled" in self.extra_args
                 self.port = free_port(cluster=cluster, avoid=(self.port,))
                 shutil.rmtree(self.dir, ignore_errors=True)  # no half-written nodes.conf
-        return self
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _wait_ready(self) -> None:
         """Until this process answers (INFO names its pid). Another server answering on the
@@ -290,8 +292,7 @@ class RedisClusterServers:
         for _ in range(n):
             # Distinct ports: two nodes on one port would look like one node started twice.
             port = free_port(cluster=True, avoid=[node.port for node in self.nodes])
-            node = RedisServer(port=port, binary=binary)
-            node._port_picked = True
+            node = RedisServer(port=port, binary=binary, port_picked=True)
             node.extra_args = ["--cluster-enabled", "yes",
                                "--cluster-config-file", str(node.dir / "nodes.conf"),
                                "--cluster-node-timeout", "5000",

@@ -93,6 +93,8 @@ COUNTERS = (
     Family("blend_recomputed_tokens", "Blended tokens recomputed (selected, or in no stored "
            "document)."),
     Family("blend_failures", "Blends that failed; vLLM recomputed their range."),
+    Family("blend_prefix_unready", "Blends not run because vLLM's prefix-cache hit held "
+           "blocks another request computed in the same step; vLLM recomputed their range."),
     Family("blend_doc_errors", "Stored documents a blend could not use (recomputed)."),
     Family("blend_saved_docs", "Documents stored for later blends."),
     Family("blend_unsegmented", "Requests with blend on whose prompt holds no separator "

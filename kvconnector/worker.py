@@ -155,7 +155,7 @@ class WorkerHalf:
         found only on disk or in Redis (for a request alone in the engine) fetched first."""
         try:
             self.copies.wait_for_slots(t.slot for t in plan.loads)
-            if self._by_layer(plan.loads):
+            if self._by_layer(plan):
                 assert self.layer_loads is not None
                 self.finish_layer_loads()  # the last step's, were it never finished
                 self.layer_loads.start(plan.loads)  # the forward waits layer by layer
@@ -167,15 +167,16 @@ class WorkerHalf:
             for t in plan.loads:
                 self._load_failed(t, "error")
 
-    def _by_layer(self, loads: list[ChunkTransfer]) -> bool:
+    def _by_layer(self, plan: StepPlan) -> bool:
         """Layer by layer: a load with chunks to read from Redis, or one from memory big
-        enough to repay handing it to a spare core."""
-        if self.layer_loads is None or not self.layer_loads.enabled:
+        enough to repay handing it to a spare core. Never beside a blend run before the
+        forward pass: its prefix may be blocks this load fills (vLLM's hit on them)."""
+        if self.layer_loads is None or not self.layer_loads.enabled or any(
+                not j.load_async for j in plan.blends):
             return False
-        if any(self.layer_loads.ranged(t) for t in loads):
-            return True
         assert self.pool is not None
-        return bool(self._spare_cores) and len(loads) * self.pool.chunk_bytes >= LAYER_MIN_BYTES
+        return any(self.layer_loads.ranged(t) for t in plan.loads) or bool(
+            self._spare_cores) and len(plan.loads) * self.pool.chunk_bytes >= LAYER_MIN_BYTES
 
     def finish_layer_loads(self) -> None:
         """The end of this step's layer-by-layer load, before anything reads its blocks or

@@ -88,3 +88,39 @@ def test_random_blends_at_ratio_1_match_vllm_alone(blend_model, tmp_path, shared
     problems = differential.run(blend_model, tmp_path, w)
     assert not problems, "\n".join(problems)
     assert differential.total(tmp_path, "blend_requests") > 0
+
+
+def test_a_blend_reading_blocks_another_request_computes_in_its_step_matches_vllm_alone(
+        blend_model, tmp_path):
+    """vLLM caches a block when it allocates it, so a request can hit blocks another
+    request of the same step has yet to compute. A blend runs before the forward pass and
+    read them unwritten: here the second request of prompt x hits the two blocks prompt y
+    computes in that step (seed 16179 of scripts/differential.py, made explicit). Such a
+    blend is not run; vLLM recomputes its range."""
+    rng = random.Random(16179)
+
+    def fresh(k: int) -> list[int]:
+        return [rng.randrange(5, 400) for _ in range(k)]
+
+    def joined(*parts: list[int]) -> list[int]:
+        out = list(parts[0])
+        for part in parts[1:]:
+            out += differential.BLEND_SEPARATOR + part
+        return out
+
+    system, d1, d2, d3, d4 = [1] + fresh(44), fresh(187), fresh(114), fresh(151), fresh(335)
+    x = joined(system, d1, d2, d3, d4, fresh(10))  # 852 tokens: blended up to 768
+    y = joined(system, d1, d2, fresh(101), fresh(58))  # shares x's first two blocks
+    z = joined([1] + fresh(52), d4, fresh(101), fresh(40))  # stores d4
+    w = differential.Workload(16179, [x, y, z], differential.BLEND_MAX_MODEL_LEN)
+    w.engines.append({"connector": {
+        "memory_capacity": 4 * differential.CHUNK_BYTES, "blend": True,
+        "blend_separator_ids": differential.BLEND_SEPARATOR, "blend_recompute_ratio": 1.0,
+        "blend_max_cost": 1.0, "blend_min_tokens": 128},
+        "prefix_caching": True, "kv_cache_bytes": 64 << 20,
+        "max_model_len": differential.BLEND_MAX_MODEL_LEN})
+    w.batches.append([[(2, 4, None)], [(0, 12, None), (1, 5, None), (0, 19, None)]])
+    problems = differential.run(blend_model, tmp_path, w)
+    assert not problems, "\n".join(problems)
+    assert differential.total(tmp_path, "blend_requests") > 0
+    assert differential.total(tmp_path, "blend_prefix_unready") == 1  # the race was met

@@ -48,6 +48,10 @@ class BlendJob:
     refine_layer: int = 0  # a second, narrower pick there (gradual filtering); 0: none
     refine_ratio: float = 0.15
     group_tokens: int = 1  # tokens picked together at a check layer
+    # vLLM's hit before ``start`` holds blocks another request computes in this very step
+    # (vLLM caches blocks when it allocates them): unreadable before the forward pass, so
+    # the range is reported failed and vLLM recomputes it.
+    prefix_unready: bool = False
 
     @property
     def slots(self) -> list[int]:

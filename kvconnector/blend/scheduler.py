@@ -200,6 +200,7 @@ class BlendScheduler:
         keeps the blocks they read until they are done, as for its own saves)."""
         plan.blends, self._jobs = self._jobs, []
         bs = self.block_size
+        self._check_prefixes(plan.blends, scheduler_output)
         # A blend that fails leaves blocks this step's forward still reads: documents
         # computed in a blending step are saved from the request's next step on.
         blending = {j.req_id for j in plan.blends} | {t.req_id for t in plan.loads}
@@ -233,6 +234,20 @@ class BlendScheduler:
                     plan.doc_saves.append(DocSave(
                         req_id, doc.doc_hash, doc.start, doc.length,
                         block_ids[doc.start // bs:-(-doc.end // bs)], pieces))
+
+    def _check_prefixes(self, jobs: list[BlendJob], scheduler_output: SchedulerOutput) -> None:
+        """Mark the blends that run before this step's forward pass but read blocks it
+        computes. (A parked blend runs after a forward pass: its prefix is written by then.)"""
+        sync = [j for j in jobs if not j.load_async and j.start]
+        if not sync:
+            return
+        computed = compat.blocks_computed(scheduler_output, self.block_size)
+        for job in sync:
+            prefix = set(job.block_ids[:job.start // self.block_size])
+            if any(prefix & ids for req_id, ids in computed.items() if req_id != job.req_id):
+                job.prefix_unready = True
+                logger.debug("kvconnector blend: request %s hit blocks another request "
+                             "computes in this step; its range is recomputed", job.req_id)
 
     def outstanding(self) -> dict[str, int]:
         return {"blend_jobs": len(self._jobs)}

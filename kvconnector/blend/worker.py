@@ -119,6 +119,12 @@ class BlendWorker:
     # ---- blends ----
     def start(self, plan: StepPlan) -> None:
         for job in plan.blends:
+            if job.prefix_unready:
+                bs = self.block_size
+                self.ledger.load_failed(job.req_id, 0,
+                                        job.block_ids[job.start // bs:job.end // bs])
+                self.ledger.count(blend_prefix_unready=1)
+                continue
             if not job.load_async:
                 self.copies.wait_for_slots(job.slots)
                 self._run(job)

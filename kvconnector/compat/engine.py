@@ -185,6 +185,22 @@ def request_block_ids(scheduler_output: SchedulerOutput, req_id: str) -> list[in
     return list(groups[0]) if groups else None
 
 
+def blocks_computed(scheduler_output: SchedulerOutput, block_size: int) -> dict[str, set[int]]:
+    """Per request scheduled in this step, the blocks its forward pass writes KV into.
+    vLLM caches a full block when it allocates it, so another request of the same step may
+    already hold such a block as part of its prefix-cache hit."""
+    before = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    before.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    out: dict[str, set[int]] = {}
+    for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        ids = request_block_ids(scheduler_output, req_id)
+        start = before.get(req_id)
+        if ids is not None and start is not None:
+            out[req_id] = set(ids[start // block_size:-(-(start + n) // block_size)])
+    return out
+
+
 def blocks_handed_out(scheduler_output: SchedulerOutput) -> set[int]:
     """Block ids this step may write KV into: blocks of requests scheduled new or resumed,
     blocks added to running requests, blocks vLLM zeroes or copies into."""

@@ -121,7 +121,7 @@ class SchedulerHalf:
         hit = None
         if self.blend is not None and st.load_limit is None:
             hit = self.blend.match(st, num_computed_tokens)
-        if hit is None:
+        if hit is None and not st.skip_reason:  # blend may find the request approximate
             hit = self.prefix.match(st, num_computed_tokens, alone=len(self._requests) == 1)
         return hit
 

@@ -124,3 +124,48 @@ def test_a_blend_reading_blocks_another_request_computes_in_its_step_matches_vll
     assert not problems, "\n".join(problems)
     assert differential.total(tmp_path, "blend_requests") > 0
     assert differential.total(tmp_path, "blend_prefix_unready") == 1  # the race was met
+
+
+def test_a_blend_twin_that_waited_a_step_never_stores_blended_kv_as_exact(blend_model,
+                                                                         tmp_path):
+    """Two requests of one prompt, both matched for blending in one step; vLLM schedules
+    the first and has no room left for the second (chunked prefill off, a filler fills the
+    step). A step later the second hits the first's blended blocks under its salted
+    hashes, and was served and saved as a plain request: its approximate chunks went to
+    the disk tier under exact prefix keys, and an engine without blend loaded them."""
+    rng = random.Random(5)
+
+    def fresh(k: int) -> list[int]:
+        return [rng.randrange(5, 400) for _ in range(k)]
+
+    def joined(*parts: list[int]) -> list[int]:
+        out = list(parts[0])
+        for part in parts[1:]:
+            out += differential.BLEND_SEPARATOR + part
+        return out
+
+    system, d1, d2, d3 = [1] + fresh(44), fresh(250), fresh(250), fresh(250)
+    first = joined(system, d1, d2, d3, fresh(20))  # stores the documents
+    prompt = joined(system, d3, d1, d2, fresh(30))  # blended at ratio 0 up to 768
+    max_len = differential.BLEND_MAX_MODEL_LEN
+    filler = fresh(max_len - (len(prompt) - 768) - 5)  # leaves less than the twin's tail
+    disk = {"memory_capacity": "64MiB", "disk_path": str(tmp_path / "disk"),
+            "disk_capacity": "64MiB"}
+    blend = {**disk, "blend": True, "blend_separator_ids": differential.BLEND_SEPARATOR,
+             "blend_recompute_ratio": 0.0, "blend_max_cost": 1.0, "blend_min_tokens": 128}
+
+    def one(p: list[int]) -> dict:
+        return {"prompt": p, "max_tokens": 8}
+
+    res = run_engine(tmp_path, {"model": blend_model, "engines": [
+        {"connector": None, "max_model_len": max_len, "batches": [[one(prompt)]]},
+        {"connector": blend, "max_model_len": max_len, "prefix_caching": True,
+         "llm": {"enable_chunked_prefill": False, "max_num_batched_tokens": max_len},
+         "batches": [[one(first)], [one(prompt), one(filler), one(prompt)]]},
+        {"connector": disk, "max_model_len": max_len, "batches": [[one(prompt)]]},
+    ]}, runner="differential_runner.py")
+    exact = res[0]["outputs"][0][0]["tokens"]
+    blended, _, twin = res[1]["outputs"][1]
+    assert blended["cached"] == twin["cached"] == 768
+    assert blended["tokens"] != exact, "the test needs blended KV to change the answer"
+    assert res[2]["outputs"][0][0]["tokens"] == exact

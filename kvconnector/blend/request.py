@@ -20,7 +20,8 @@ class BlendRequest:
     handled: set[int] = field(default_factory=set)  # documents saved or found stored
     blended: bool = False
     declined: bool = False  # blending would cost about what full prefill does
-    salted: bool = False  # vLLM's block hashes from the blended range on: approximate KV
+    # vLLM's block hashes are salted from this token on (the blended range): approximate KV
+    salted_at: int | None = None
     lookup: Asked[Any] | None = None  # the last Redis question about its documents
 
 

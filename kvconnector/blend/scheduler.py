@@ -92,6 +92,15 @@ class BlendScheduler:
         the request is not blended (prefix reuse serves it as usual)."""
         br = self._state(st)
         req = st.request
+        if br.salted_at is not None and num_computed > br.salted_at and not br.blended:
+            # Matched before, but vLLM could not schedule it then: its hit now reaches
+            # blocks cached under its salted hashes, KV blended for a twin (the same
+            # prompt, matched in the same step). Approximate: never stored as exact.
+            br.blended = True
+            st.skip_reason = BLENDED
+            logger.debug("kvconnector blend: request %s reads blended KV from vLLM's prefix "
+                         "cache", req.request_id)
+            return None
         if not br.docs or br.blended or br.declined or req.num_output_tokens:
             return None
         bs = self.block_size
@@ -126,9 +135,9 @@ class BlendScheduler:
                          "%.2f of full prefill (blend_max_cost %.2f)", req.request_id, share,
                          br.config.max_cost)
             return None
-        if not br.salted:  # vLLM caches the blocks when it allocates them, before planning
+        if br.salted_at is None:  # vLLM caches the blocks when it allocates them, before planning
             compat.mark_approximate(req, num_computed, bs, br.config.salt())
-            br.salted = True
+            br.salted_at = num_computed
         return BlendHit(num_computed, end, found, any(t != "memory" for t in found.values()))
 
     def _ask_redis(self, br: BlendRequest, docs: list[int]) -> set[int] | None:

@@ -170,3 +170,35 @@ def test_a_parked_blend_keeps_its_slots_across_a_cache_reset(monkeypatch):
         assert half.outstanding()["held_slots"] == 0
     finally:
         half.lookups.shutdown()
+
+
+def test_a_request_not_scheduled_when_matched_is_salted_from_its_later_hit(monkeypatch):
+    """vLLM may not schedule a request the blend matched (no room in the step) and evict
+    part of its prefix-cache hit before it does. Its blocks from the new, shorter hit on
+    are blended, so their hashes must be salted from there, as a request matched only
+    then would have them: blocks under plain hashes would give exact requests blended KV."""
+    half = blend_half(monkeypatch)
+    store_documents(half, rag([DOC_A, DOC_B], 1))
+    tokens = rag([DOC_B, DOC_A], 2)
+    waited, fresh, plain = (FakeRequest(r, tokens, BS) for r in ("waited", "fresh", "plain"))
+    assert half.get_num_new_matched_tokens(waited, 4 * BS)[0] > 0  # not scheduled
+    assert half.get_num_new_matched_tokens(waited, BS)[0] > 0  # 3 blocks evicted meanwhile
+    assert half.get_num_new_matched_tokens(fresh, BS)[0] > 0
+    assert waited.block_hashes == fresh.block_hashes
+    assert waited.block_hashes[0] == plain.block_hashes[0]
+    assert all(w != p for w, p in zip(waited.block_hashes[1:], plain.block_hashes[1:]))
+
+
+def test_a_request_whose_later_hit_reaches_its_salted_blocks_is_never_stored(monkeypatch):
+    """Matched but not scheduled, and a step later vLLM's hit goes past where its hashes
+    were salted: that is a twin's blended KV (tests/test_differential.py runs the engine
+    case). Served as blended: nothing loaded for it, nothing of it saved."""
+    half = blend_half(monkeypatch)
+    store_documents(half, rag([DOC_A, DOC_B], 1))
+    req = FakeRequest("twin", rag([DOC_B, DOC_A], 2), BS)
+    assert half.get_num_new_matched_tokens(req, BS)[0] > 0  # not scheduled
+    assert half.get_num_new_matched_tokens(req, 12 * BS) == (0, False)
+    ids = list(range(-(-req.num_prompt_tokens // BS)))
+    plan = half.build_meta(step_output({"twin": req.num_prompt_tokens - 12 * BS}, {"twin": ids},
+                                       {"twin": ids}))
+    assert not plan.saves and not plan.loads and not plan.blends

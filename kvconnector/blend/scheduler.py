@@ -135,8 +135,12 @@ class BlendScheduler:
                          "%.2f of full prefill (blend_max_cost %.2f)", req.request_id, share,
                          br.config.max_cost)
             return None
-        if br.salted_at is None:  # vLLM caches the blocks when it allocates them, before planning
+        # vLLM caches the blocks when it allocates them, before planning: salt them first.
+        if br.salted_at is None:
             compat.mark_approximate(req, num_computed, bs, br.config.salt())
+            br.salted_at = num_computed
+        elif num_computed < br.salted_at:  # not scheduled then, and vLLM evicted blocks since
+            compat.mark_approximate(req, num_computed, bs, br.config.salt(), br.salted_at)
             br.salted_at = num_computed
         return BlendHit(num_computed, end, found, any(t != "memory" for t in found.values()))
 

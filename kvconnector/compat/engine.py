@@ -86,15 +86,19 @@ def recompute_failed_loads(vllm_config: VllmConfig) -> None:
     kv.kv_load_failure_policy = "recompute"
 
 
-def mark_approximate(request: Request, first_token: int, block_size: int, salt: bytes) -> None:
+def mark_approximate(request: Request, first_token: int, block_size: int, salt: bytes,
+                     end_token: int | None = None) -> None:
     """Keep KV that full prefill did not compute (a blend) out of vLLM's prefix cache for
     requests that expect it exact. vLLM caches a request's blocks under
     ``request.block_hashes`` (computed when the request arrives, before the connector is
     asked): the hashes of the blocks from ``first_token`` on are replaced by salted ones,
     so vLLM caches those blocks under keys that no plain request computes, and the hashes
-    of later blocks chain from them. Idempotent per salt only: call it once per request."""
+    of later blocks chain from them. Each block is salted on its own, so salting
+    ``[a, b)`` after ``[b, end)`` equals salting ``[a, end)``; a block must be salted once.
+    ``end_token``: salt the blocks before it only."""
     hashes = request.block_hashes
-    for i in range(first_token // block_size, len(hashes)):
+    end = len(hashes) if end_token is None else end_token // block_size
+    for i in range(first_token // block_size, end):
         hashes[i] = type(hashes[i])(hashlib.blake2b(salt + bytes(hashes[i]),
                                                     digest_size=32).digest())
 

@@ -186,7 +186,8 @@ def test_a_request_not_scheduled_when_matched_is_salted_from_its_later_hit(monke
     assert half.get_num_new_matched_tokens(fresh, BS)[0] > 0
     assert waited.block_hashes == fresh.block_hashes
     assert waited.block_hashes[0] == plain.block_hashes[0]
-    assert all(w != p for w, p in zip(waited.block_hashes[1:], plain.block_hashes[1:]))
+    assert all(w != p for w, p in zip(waited.block_hashes[1:], plain.block_hashes[1:],
+                                      strict=True))
 
 
 def test_a_request_whose_later_hit_reaches_its_salted_blocks_is_never_stored(monkeypatch):

@@ -4,6 +4,7 @@ equal vLLM alone's. Memory tiers smaller than the workload, Redis behind them or
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -90,6 +91,19 @@ def test_random_blends_at_ratio_1_match_vllm_alone(blend_model, tmp_path, shared
     assert differential.total(tmp_path, "blend_requests") > 0
 
 
+def _fresh(rng: random.Random) -> Callable[[int], list[int]]:
+    """Fresh tokens from ``rng``, never a blend separator."""
+    return lambda k: [rng.randrange(5, 400) for _ in range(k)]
+
+
+def _joined(*parts: list[int]) -> list[int]:
+    """The parts of a blend prompt, a separator between each two."""
+    out = list(parts[0])
+    for part in parts[1:]:
+        out += differential.BLEND_SEPARATOR + part
+    return out
+
+
 def test_a_blend_reading_blocks_another_request_computes_in_its_step_matches_vllm_alone(
         blend_model, tmp_path):
     """vLLM caches a block when it allocates it, so a request can hit blocks another
@@ -98,20 +112,12 @@ def test_a_blend_reading_blocks_another_request_computes_in_its_step_matches_vll
     computes in that step (seed 16179 of scripts/differential.py, made explicit). Such a
     blend is not run; vLLM recomputes its range."""
     rng = random.Random(16179)
-
-    def fresh(k: int) -> list[int]:
-        return [rng.randrange(5, 400) for _ in range(k)]
-
-    def joined(*parts: list[int]) -> list[int]:
-        out = list(parts[0])
-        for part in parts[1:]:
-            out += differential.BLEND_SEPARATOR + part
-        return out
+    fresh = _fresh(rng)
 
     system, d1, d2, d3, d4 = [1] + fresh(44), fresh(187), fresh(114), fresh(151), fresh(335)
-    x = joined(system, d1, d2, d3, d4, fresh(10))  # 852 tokens: blended up to 768
-    y = joined(system, d1, d2, fresh(101), fresh(58))  # shares x's first two blocks
-    z = joined([1] + fresh(52), d4, fresh(101), fresh(40))  # stores d4
+    x = _joined(system, d1, d2, d3, d4, fresh(10))  # 852 tokens: blended up to 768
+    y = _joined(system, d1, d2, fresh(101), fresh(58))  # shares x's first two blocks
+    z = _joined([1] + fresh(52), d4, fresh(101), fresh(40))  # stores d4
     w = differential.Workload(16179, [x, y, z], differential.BLEND_MAX_MODEL_LEN)
     w.engines.append({"connector": {
         "memory_capacity": 4 * differential.CHUNK_BYTES, "blend": True,
@@ -134,19 +140,11 @@ def test_a_blend_twin_that_waited_a_step_never_stores_blended_kv_as_exact(blend_
     hashes, and was served and saved as a plain request: its approximate chunks went to
     the disk tier under exact prefix keys, and an engine without blend loaded them."""
     rng = random.Random(5)
-
-    def fresh(k: int) -> list[int]:
-        return [rng.randrange(5, 400) for _ in range(k)]
-
-    def joined(*parts: list[int]) -> list[int]:
-        out = list(parts[0])
-        for part in parts[1:]:
-            out += differential.BLEND_SEPARATOR + part
-        return out
+    fresh = _fresh(rng)
 
     system, d1, d2, d3 = [1] + fresh(44), fresh(250), fresh(250), fresh(250)
-    first = joined(system, d1, d2, d3, fresh(20))  # stores the documents
-    prompt = joined(system, d3, d1, d2, fresh(30))  # blended at ratio 0 up to 768
+    first = _joined(system, d1, d2, d3, fresh(20))  # stores the documents
+    prompt = _joined(system, d3, d1, d2, fresh(30))  # blended at ratio 0 up to 768
     max_len = differential.BLEND_MAX_MODEL_LEN
     filler = fresh(max_len - (len(prompt) - 768) - 5)  # leaves less than the twin's tail
     disk = {"memory_capacity": "64MiB", "disk_path": str(tmp_path / "disk"),

@@ -120,10 +120,7 @@ class BlendWorker:
     def start(self, plan: StepPlan) -> None:
         for job in plan.blends:
             if job.prefix_unready:
-                bs = self.block_size
-                self.ledger.load_failed(job.req_id, 0,
-                                        job.block_ids[job.start // bs:job.end // bs])
-                self.ledger.count(blend_prefix_unready=1)
+                self._recomputed(job, blend_prefix_unready=1)
                 continue
             if not job.load_async:
                 self.copies.wait_for_slots(job.slots)
@@ -171,9 +168,7 @@ class BlendWorker:
         except Exception:  # the range is recomputed by vLLM, never served wrong
             logger.exception("kvconnector: blending request %s failed; its blocks will be "
                              "recomputed", job.req_id)
-            bs = self.block_size
-            self.ledger.load_failed(job.req_id, 0, job.block_ids[job.start // bs:job.end // bs])
-            self.ledger.count(load_errors=1, blend_failures=1)
+            self._recomputed(job, load_errors=1, blend_failures=1)
             return
         seconds = time.perf_counter() - start
         self.ledger.observe(blend_seconds=seconds)
@@ -183,6 +178,12 @@ class BlendWorker:
         logger.debug("kvconnector blend %s: %d tokens, %d loaded from %d documents, %d "
                      "recomputed, %.1f ms", job.req_id, result.tokens, result.loaded,
                      len(job.docs), result.recomputed, seconds * 1e3)
+
+    def _recomputed(self, job: BlendJob, **counts: float) -> None:
+        """The blended range left unfilled: vLLM recomputes it."""
+        bs = self.block_size
+        self.ledger.load_failed(job.req_id, 0, job.block_ids[job.start // bs:job.end // bs])
+        self.ledger.count(**counts)
 
     def _sources(self, job: BlendJob) -> Sources:
         pieces: list[LoadedPiece] = []

@@ -122,6 +122,16 @@ def versions() -> dict:
     return out
 
 
+def git_commit() -> str | None:
+    """HEAD's id, or None where the tree came without git (a copied working tree)."""
+    try:
+        proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True)
+    except OSError:  # no git installed
+        return None
+    return proc.stdout.strip() or None
+
+
 def vllm_on_cuda() -> bool:
     code = ("from vllm.platforms import current_platform; "
             "raise SystemExit(0 if current_platform.is_cuda() else 1)")
@@ -176,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result: dict = {"status": "fail", "reasons": [],
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                    "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT,
-                                                 capture_output=True, text=True).stdout.strip(),
+                    "git_commit": git_commit(),
                     "device": torch.cuda.get_device_name(),
                     "device_count": torch.cuda.device_count(), "versions": versions()}
 

@@ -172,10 +172,10 @@ PAGE = 4096
 def _aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """An uninitialised tensor whose memory starts on a page: slots of whole pages can then
     be read into with O_DIRECT (the disk tier), which needs aligned buffers."""
-    if pin:
-        return torch.empty(shape, dtype=dtype, pin_memory=True)  # page aligned already
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    # Pinned memory needs the same care: torch's pinned tensors were not page aligned on an
+    # H100 machine (torch 2.11, CUDA 13).
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=pin)
     offset = -raw.data_ptr() % PAGE
     return raw[offset:offset + nbytes].view(dtype).view(shape)
 

@@ -10,6 +10,7 @@ GB/s counts payload bytes (the chunks' size) once. Times are medians of CUDA-eve
 
     python benchmarks/bench_kernels.py --out bench.json
     python benchmarks/bench_kernels.py --smoke   # CPU: one tiny shape under the interpreter
+    python benchmarks/bench_kernels.py --replot a.json b.json --plot kernels.png  # no GPU
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference")
     p.add_argument("--no-host", action="store_true", help="skip the host transfer rows")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--plot", help="draw each row's ratios against its baseline to this PNG")
+    p.add_argument("--replot", nargs="+", metavar="JSON",
+                   help="run nothing: draw --plot from these --out files")
     p.add_argument("--smoke", action="store_true",
                    help="no GPU needed: one tiny shape under the Triton CPU interpreter, "
                         "only to exercise the code path (numbers mean nothing)")
@@ -195,8 +199,53 @@ def print_table(rows: list[dict]) -> None:
     print("GB/s of chunk payload; ratios are same-run, same-bytes (goal >= 0.9).")
 
 
+RATIOS = {"gather/d2d": "gather vs device copy", "scatter/d2d": "scatter vs device copy",
+          "save/d2h": "gather + D2H vs pinned D2H", "load/h2d": "H2D + scatter vs pinned H2D"}
+
+
+def plot(path: str, rows: list[dict], device: str) -> None:
+    """One panel per ratio: each layout and dtype a line over chunks per batch."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, len(RATIOS), figsize=(4 * len(RATIOS), 3.6), sharey=True)
+    for ax, (key, title) in zip(axes, RATIOS.items(), strict=True):
+        configs = sorted({(r["layout"], r["dtype"]) for r in rows if key in r})
+        for lay, dt in configs:
+            mine = sorted((r["chunks"], r[key]) for r in rows
+                          if (r["layout"], r["dtype"]) == (lay, dt) and key in r)
+            ax.plot(*zip(*mine, strict=True), marker="o", ms=3, lw=1, label=f"{lay} {dt}")
+        ax.axhline(0.9, color="red", ls="--", lw=0.8, label="goal 0.9")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("chunks per batch (256 tokens each)")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GB/s ratio, same run, same bytes")
+    axes[-1].legend(fontsize=6)
+    fig.suptitle(f"Triton kernels and host transfers, Mistral-7B shapes, {device}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def replot(files: list[str], path: str) -> int:
+    runs = [json.load(open(f)) for f in files]
+    devices = sorted({r["device"] for r in runs})
+    plot(path, [row for r in runs for row in r["rows"]], ", ".join(devices))
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        if not args.plot:
+            print("--replot needs --plot PATH", file=sys.stderr)
+            return 2
+        return replot(args.replot, args.plot)
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
         print("bench_kernels.py needs a CUDA GPU; run with --smoke to exercise the code path "
@@ -238,6 +287,8 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump({**meta, "rows": rows}, f, indent=2)
         print(f"wrote {args.out}")
+    if args.plot and cuda:
+        plot(args.plot, rows, device_name)
     return 0 if all(r["correct"] for r in rows) else 1
 
 

@@ -21,7 +21,7 @@ from kvconnector.keys import ChunkKey, request_seed, reset_seed
 from kvconnector.lookups import Lookups
 from kvconnector.metadata import IDLE_WAIT_S, ChunkTransfer, StepPlan, WorkerReport
 from kvconnector.metrics import StoreTap
-from kvconnector.prefix import PrefixReuse
+from kvconnector.prefix import MISSING_SLOT, PrefixReuse
 from kvconnector.request_state import PENDING, PrefixHit, RequestState
 from kvconnector.saves import SavePlanner
 from kvconnector.stats import TransferStats
@@ -77,12 +77,16 @@ class SchedulerHalf:
                       if config.blending.enabled else None)
         self._requests: dict[str, RequestState] = {}
         self._loads: list[ChunkTransfer] = []
+        # vLLM block hashes of blocks this step loads from a tier that can fail (disk,
+        # Redis, a chunk gone since the lookup), and of the loading request's blocks after.
+        self._fallible: set[Any] = set()
         self._async_loads: list[ChunkTransfer] = []
         self._finished_saves: list[ChunkTransfer] = []  # planned at request_finished
         self._evictions_reported = 0
         self._redis_tap = StoreTap()
         self._slots_reported: int | None = None
         self.resumed_requests = 0  # preempted requests seen coming back
+        self.kv_cache_manager: Any = None  # vLLM's, bound after start-up (0.32 on)
 
     def _state(self, request: Request) -> RequestState:
         st = self._requests.get(request.request_id)
@@ -101,6 +105,14 @@ class SchedulerHalf:
         asynchronously; ``None`` (ask again next step) while Redis is asked."""
         st = self._state(request)
         st.offer = None
+        if self._fallible and compat.hit_reaches(request, num_computed_tokens, self.block_size,
+                                                 self._fallible):
+            # vLLM caches blocks when it hands them out, and under "recompute" lets every
+            # request that shares a block whose load failed count on the request that
+            # recomputes it; a request aborted, preempted or capped by
+            # long_prefill_token_threshold never or not yet has. Asked again next step,
+            # the blocks are either loaded or out of vLLM's prefix cache.
+            return None, False
         if st.skip_reason:
             return 0, False
         hit = self._match(st, num_computed_tokens)
@@ -140,6 +152,11 @@ class SchedulerHalf:
         else:
             loads, by_tier = self.prefix.plan_loads(st, hit, block_ids, num_external_tokens)
             (self._async_loads if hit.load_async else self._loads).extend(loads)
+            first = next((t.index for t in loads if not hit.load_async and (
+                t.source != "memory" or t.slot == MISSING_SLOT)), None)
+            if first is not None:
+                self._fallible.update(compat.block_hashes(
+                    request, first * self.config.chunk_size // self.block_size))
         st.hit_split = by_tier
         self.stats.add(hit_tokens=num_external_tokens,
                        **{f"hit_tokens.{tier}": n for tier, n in by_tier.items() if n})
@@ -165,6 +182,7 @@ class SchedulerHalf:
                         fence=self.saves.fence(scheduler_output),
                         finished_saves=self._finished_saves, idle=idle)
         self._loads, self._async_loads, self._finished_saves = [], [], []
+        self._fallible.clear()
         if self.blend is not None:
             self.blend.build(plan, scheduler_output, self._requests)
             for save in plan.doc_saves:  # blocks handed out again wait for the document save
@@ -182,6 +200,11 @@ class SchedulerHalf:
         return plan
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        if output.invalid_block_ids:
+            evicted = compat.evict_failed_blocks(self.kv_cache_manager, self._requests,
+                                                 output.invalid_block_ids)
+            logger.debug("kvconnector: %d blocks out of vLLM's prefix cache after failed "
+                         "loads", len(evicted))
         report = output.kv_connector_worker_meta
         if isinstance(report, WorkerReport):
             for h in report.bad_chunks:

@@ -156,6 +156,44 @@ def _race(llm, step: dict) -> dict:
     return out
 
 
+def _arrivals(llm, step: dict) -> dict:
+    """Request ``first`` (with ``with_first`` beside it, if given) for one engine step; then
+    abort ``first`` if ``abort``; then request ``later``; run everything to the end. The
+    answers by name, and ``first``'s too unless aborted."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8), ignore_eos=True)
+    out: dict = {}
+
+    def run_step() -> None:
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = {"tokens": list(o.outputs[0].token_ids),
+                                     "cached": o.num_cached_tokens}
+
+    engine.add_request("first", {"prompt_token_ids": step["first"]}, sp)
+    if "with_first" in step:
+        engine.add_request("with_first", {"prompt_token_ids": step["with_first"]}, sp)
+    run_step()
+    if step.get("abort"):
+        engine.abort_request(["first"])
+    if "later" in step:
+        engine.add_request("later", {"prompt_token_ids": step["later"]}, sp)
+    while engine.has_unfinished_requests():
+        run_step()
+    return out
+
+
+def _noise_kv(worker) -> bool:
+    """vLLM's KV cache filled with noise: a block read before anything wrote it shows."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    for layer in get_kv_transfer_group().worker.layers:
+        layer.normal_()
+    return True
+
+
 _GATE = threading.Event()
 
 
@@ -488,6 +526,10 @@ def _main(spec_path: str, out_path: str) -> None:
             results.append(llm.collective_rpc(_redis_stats)[0])
         elif op == "redis_server":
             results.append(_redis_server(step["port"], step["action"]))
+        elif op == "arrivals":
+            results.append(_arrivals(llm, step))
+        elif op == "noise_kv":
+            results.append(llm.collective_rpc(_noise_kv))
         elif op == "race":
             results.append(_race(llm, step))
         elif op == "copy_gate":

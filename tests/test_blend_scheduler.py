@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from kvconnector import compat
@@ -165,8 +166,7 @@ def test_a_parked_blend_keeps_its_slots_across_a_cache_reset(monkeypatch):
                 slot for s in plan.doc_saves for _, _, slot in s.pieces}
         assert taken, "the fill saved nothing: the test shows nothing"
         assert not taken & set(job.slots), "a parked blend's slot was reused before it ran"
-        half.update_connector_output(SimpleNamespace(kv_connector_worker_meta=None,
-                                                     finished_recving={"r"}))
+        half.update_connector_output(KVConnectorOutput(finished_recving={"r"}))
         assert half.outstanding()["held_slots"] == 0
     finally:
         half.lookups.shutdown()

@@ -208,3 +208,52 @@ def test_an_engine_killed_while_writing_leaves_no_bad_file(tiny_model, tmp_path,
     assert res[1]["corrupt"] == {}
     for f in chunk_files(disk):  # every file under a final name is whole
         verify(f)
+
+
+def test_blocks_of_a_failed_load_never_reach_another_request(tiny_model, tmp_path):
+    """A request alone in the engine reads its hit from disk before its step's forward;
+    vLLM caches those blocks when it hands them out, and the second chunk's file is
+    damaged. Under "recompute" vLLM keeps the unfilled blocks cached for that request to
+    recompute. Another request with the same prompt must not read them: not after the
+    first was aborted before recomputing, not while a prefill capped by
+    ``long_prefill_token_threshold`` recomputes them a little at a time, and not when it
+    arrived in the same step and shares them (it waits a step)."""
+    rng = __import__("random").Random(31)
+    base = [[rng.randrange(4, 400) for _ in range(1024)] for _ in range(4)]
+    tails = [[[rng.randrange(4, 400) for _ in range(40)] for _ in range(2)] for _ in base]
+    first, second = ([b + t[i] for b, t in zip(base, tails, strict=True)] for i in (0, 1))
+    alone = run_engine(tmp_path / "alone", {
+        "model": tiny_model, "connector": None, "max_model_len": 2048,
+        "steps": [{"op": "generate", "prompts": first + second}]})
+    want = [r["tokens"] for r in alone[0]]
+    disk = tmp_path / "kv"
+    extra = {"memory_capacity": "16MiB", "disk_path": str(disk)}
+    written = run_engine(tmp_path / "write", {
+        "model": tiny_model, "connector": extra, "max_model_len": 2048, "steps": [
+            {"op": "generate", "prompts": base}, {"op": "flush"},
+            {"op": "disk_paths", "prompts": base}]})
+    for files in written[2]:
+        damaged = bytearray(Path(files[1]).read_bytes())
+        damaged[HEAD_BYTES + 4096] ^= 0x01
+        Path(files[1]).write_bytes(bytes(damaged))
+
+    def engine(name: str, llm: dict, steps: list[dict]) -> list:
+        return run_engine(tmp_path / name, {
+            "model": tiny_model, "connector": extra, "prefix_caching": True,
+            "kv_cache_bytes": 6 << 20, "max_model_len": 2048, "llm": llm,
+            "steps": [{"op": "noise_kv"}, *steps, {"op": "totals"}]})
+
+    plain = engine("plain", {}, [
+        {"op": "arrivals", "first": first[0], "abort": True, "later": second[0]},
+        {"op": "arrivals", "first": first[1], "with_first": second[1], "abort": True}])
+    assert plain[1] == {"later": {"tokens": want[4], "cached": CHUNK}}
+    assert plain[2]["with_first"]["tokens"] == want[5]
+    capped = engine("capped", {"max_num_batched_tokens": 512,
+                               "long_prefill_token_threshold": 64}, [
+        {"op": "arrivals", "first": first[2], "later": second[2]},
+        {"op": "arrivals", "first": first[3], "with_first": second[3]}])
+    assert capped[1]["first"]["tokens"] == want[2] and capped[1]["later"]["tokens"] == want[6]
+    assert capped[2]["first"]["tokens"] == want[3]
+    assert capped[2]["with_first"]["tokens"] == want[7]
+    for res in (plain, capped):
+        assert res[-1]["load_errors"] == 2, res[-1]  # one damaged chunk per first request

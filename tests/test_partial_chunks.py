@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from kvconnector import compat
@@ -125,8 +126,8 @@ def test_failed_partial_load_is_not_offered_again(half):
     half.build_meta(step_output({}, {}))
     b = FakeRequest("b", prompt(1, 100))
     assert half.get_num_new_matched_tokens(b, 0) == (96, False)
-    half.update_connector_output(SimpleNamespace(
-        kv_connector_worker_meta=WorkerReport(failed_loads={"b": 1}), finished_recving=None))
+    half.update_connector_output(KVConnectorOutput(
+        kv_connector_worker_meta=WorkerReport(failed_loads={"b": 1})))
     assert half.get_num_new_matched_tokens(b, 0) == (64, False)
 
 

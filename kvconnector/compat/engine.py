@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvconnector.config import ConfigError
@@ -84,6 +85,41 @@ def recompute_failed_loads(vllm_config: VllmConfig) -> None:
         "chunks are recomputed. Set \"kv_load_failure_policy\": \"recompute\" to silence "
         "this.", kv.kv_load_failure_policy)
     kv.kv_load_failure_policy = "recompute"
+
+
+def block_hashes(request: Request, first_block: int) -> list[Any]:
+    """vLLM's hashes of a request's full blocks from ``first_block`` on: the keys vLLM
+    caches them under."""
+    return list(request.block_hashes[first_block:])
+
+
+def hit_reaches(request: Request, num_computed_tokens: int, block_size: int,
+                hashes: set[Any]) -> bool:
+    """Whether vLLM's own prefix-cache hit of ``num_computed_tokens`` holds a block cached
+    under one of ``hashes``."""
+    return any(h in hashes for h in request.block_hashes[:num_computed_tokens // block_size])
+
+
+def evict_failed_blocks(kv_cache_manager: Any, req_ids: Iterable[str],
+                        failed: set[int]) -> set[int]:
+    """Take blocks whose load failed out of vLLM's prefix cache, with every later block of
+    each request holding one (computed over them). Under "recompute" vLLM 0.32 keeps them
+    cached for the request that will recompute them; until it has, a request that hits them
+    reads KV that was never written: after that request is aborted or preempted (any
+    configuration), or beside its prefill capped by ``long_prefill_token_threshold``. The
+    requests keep their blocks and recompute into them. Returns the blocks evicted; none
+    where vLLM binds no cache manager to the connector (before 0.32)."""
+    if kv_cache_manager is None or not failed:
+        return set()
+    evict = set(failed)
+    for req_id in req_ids:
+        groups = kv_cache_manager.get_block_ids(req_id)
+        ids = list(groups[0]) if groups else []
+        first = next((i for i, b in enumerate(ids) if b in failed), None)
+        if first is not None:
+            evict.update(ids[first:])
+    kv_cache_manager.evict_blocks(evict)
+    return evict
 
 
 def mark_approximate(request: Request, first_token: int, block_size: int, salt: bytes,

@@ -1,7 +1,8 @@
 """Seeded random workloads for differential tests: prompts that share prefixes in random
 ways, asked in random batches with aborts, through engines with small memory tiers, a
 disk tier (of a few chunk files, in one directory per seed) and Redis behind them or not,
-compared token for token with vLLM alone.
+compared token for token with vLLM alone; some engines start with damaged chunk files,
+and some cap each request's prefill per step.
 
 ``tests/test_differential.py`` runs a few seeds in CI; ``scripts/differential.py`` runs as
 many as time allows. A failure names its seed: ``workload(seed)`` rebuilds it exactly.
@@ -102,6 +103,7 @@ def workload(seed: int, redis_url: str | None, n_prompts: int = 8, n_requests: i
     rng = random.Random(seed)
     disk_rng = random.Random(f"disk{seed}")
     mirror_rng = random.Random(f"key-mirror{seed}")  # half the Redis engines: the key mirror
+    fault_rng = random.Random(f"faults{seed}")
     w = Workload(seed, _prompts(rng, n_prompts))
     for _ in range(n_engines):
         url = redis_url if redis_url is not None and rng.random() < 0.67 else None
@@ -109,8 +111,20 @@ def workload(seed: int, redis_url: str | None, n_prompts: int = 8, n_requests: i
         _disk(disk_rng, disk_dir, w.engines[-1]["connector"])
         if url is not None and mirror_rng.random() < 0.5:
             w.engines[-1]["connector"]["redis_key_mirror"] = True
+        _faults(fault_rng, w.engines[-1])
         w.batches.append(_batches(rng, n_prompts, n_requests))
     return w
+
+
+def _faults(rng: random.Random, engine: dict) -> None:
+    """About a third of the engines start with a damaged byte in about half the chunk
+    files on disk (their loads fail; what failed is recomputed), and a third cap each
+    request's prefill at 64 tokens a step (``long_prefill_token_threshold``): a failed
+    load's blocks are then recomputed over several steps while other requests run."""
+    if "disk_path" in engine["connector"] and rng.random() < 0.33:
+        engine["damage_disk_files"] = 0.5
+    if rng.random() < 0.33:
+        engine["llm"] = {"max_num_batched_tokens": 512, "long_prefill_token_threshold": 64}
 
 
 BLEND_SEPARATOR = [3, 4]  # ids no generated content uses (tokens are 4..399, never 3)
@@ -200,10 +214,11 @@ def run(model: str, tmp: Path, w: Workload, timeout: int = 900) -> list[str]:
                                     f"finished")
                 elif (out is not None and not e.get("approximate")
                       and out["tokens"] != expected[i][:mt]):
+                    damaged = ", files damaged" if e.get("damage_disk_files") else ""
                     problems.append(
                         f"seed {w.seed} engine {n} ({e['connector']}, prefix_caching="
                         f"{e['prefix_caching']}, KV {e['kv_cache_bytes'] >> 20} MiB, "
-                        f"{e.get('llm', {})}) batch {b}: prompt {i} ({len(w.prompts[i])} "
+                        f"{e.get('llm', {})}{damaged}) batch {b}: prompt {i} ({len(w.prompts[i])} "
                         f"tokens, {out['cached']} cached) gave {out['tokens']}, vLLM alone "
                         f"{expected[i][:mt]}")
         held = {k: v for k, v in r["outstanding"].get("scheduler", {}).items() if v}

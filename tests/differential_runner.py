@@ -68,6 +68,23 @@ def _totals(llm) -> dict:
     return {k: sum(r[k] for r in per_rank) for k in per_rank[0]}
 
 
+def _damage_files(disk_path: str, share: float, seed: int) -> None:
+    """One byte of the KV payload flipped in about ``share`` of the chunk files."""
+    import random
+    from pathlib import Path
+
+    from kvconnector.store.disk_files import HEAD_BYTES
+
+    rng = random.Random(seed)
+    for path in sorted(Path(disk_path).rglob("*.kvc")):
+        if rng.random() < share and path.stat().st_size > HEAD_BYTES:
+            with open(path, "r+b") as f:
+                f.seek(rng.randrange(HEAD_BYTES, path.stat().st_size))
+                byte = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([byte[0] ^ 0x10]))
+
+
 def _close(llm) -> None:
     from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
 
@@ -84,6 +101,8 @@ def main(spec_path: str, out_path: str) -> None:
     results = []
     deadline = time.monotonic() + spec.get("timeout_s", 600)
     for n, eng in enumerate(spec["engines"]):
+        if eng.get("damage_disk_files"):
+            _damage_files(eng["connector"]["disk_path"], eng["damage_disk_files"], n)
         llm = LLM(**engine_kwargs({"model": spec["model"], **eng}))
         outs = [run_batch(llm.llm_engine, batch, f"e{n}b{b}", deadline)
                 for b, batch in enumerate(eng["batches"])]

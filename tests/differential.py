@@ -117,12 +117,16 @@ def workload(seed: int, redis_url: str | None, n_prompts: int = 8, n_requests: i
 
 
 def _faults(rng: random.Random, engine: dict) -> None:
-    """About a third of the engines start with a damaged byte in about half the chunk
-    files on disk (their loads fail; what failed is recomputed), and a third cap each
-    request's prefill at 64 tokens a step (``long_prefill_token_threshold``): a failed
-    load's blocks are then recomputed over several steps while other requests run."""
+    """About a third of the engines with a disk tier find a byte damaged in about a quarter
+    of its chunk files before each batch (loads of them fail and are recomputed), as do
+    about a third of those with Redis in a quarter of its values, and a
+    third of all engines cap each request's prefill at 64 tokens a step
+    (``long_prefill_token_threshold``): a failed load's blocks are then recomputed over
+    several steps while other requests run."""
     if "disk_path" in engine["connector"] and rng.random() < 0.33:
-        engine["damage_disk_files"] = 0.5
+        engine["damage_disk_files"] = 0.25
+    if "redis_url" in engine["connector"] and rng.random() < 0.33:
+        engine["damage_redis_values"] = 0.25
     if rng.random() < 0.33:
         engine["llm"] = {"max_num_batched_tokens": 512, "long_prefill_token_threshold": 64}
 
@@ -214,7 +218,8 @@ def run(model: str, tmp: Path, w: Workload, timeout: int = 900) -> list[str]:
                                     f"finished")
                 elif (out is not None and not e.get("approximate")
                       and out["tokens"] != expected[i][:mt]):
-                    damaged = ", files damaged" if e.get("damage_disk_files") else ""
+                    damaged = "".join(f", {what} damaged" for what in ("disk_files", "redis_values")
+                                      if e.get(f"damage_{what}"))
                     problems.append(
                         f"seed {w.seed} engine {n} ({e['connector']}, prefix_caching="
                         f"{e['prefix_caching']}, KV {e['kv_cache_bytes'] >> 20} MiB, "

@@ -68,8 +68,12 @@ def _totals(llm) -> dict:
     return {k: sum(r[k] for r in per_rank) for k in per_rank[0]}
 
 
+_DAMAGED: set[str | bytes] = set()  # files and Redis keys
+
+
 def _damage_files(disk_path: str, share: float, seed: int) -> None:
-    """One byte of the KV payload flipped in about ``share`` of the chunk files."""
+    """One byte of the KV payload flipped in about ``share`` of the chunk files (each at
+    most once: a file flipped twice at one place would be whole again)."""
     import random
     from pathlib import Path
 
@@ -77,12 +81,37 @@ def _damage_files(disk_path: str, share: float, seed: int) -> None:
 
     rng = random.Random(seed)
     for path in sorted(Path(disk_path).rglob("*.kvc")):
+        if str(path) in _DAMAGED:
+            continue
         if rng.random() < share and path.stat().st_size > HEAD_BYTES:
+            _DAMAGED.add(str(path))
             with open(path, "r+b") as f:
                 f.seek(rng.randrange(HEAD_BYTES, path.stat().st_size))
                 byte = f.read(1)
                 f.seek(-1, 1)
                 f.write(bytes([byte[0] ^ 0x10]))
+
+
+def _damage_values(url: str, prefix: str, share: float, seed: int) -> None:
+    """One byte past the header flipped in about ``share`` of the chunk values under
+    ``prefix`` (each at most once)."""
+    import random
+
+    import redis
+
+    rng = random.Random(seed)
+    client = redis.Redis.from_url(url)
+    for key in sorted(client.scan_iter(match=f"{prefix}:*", count=1000)):
+        if b":fp:" in key or key in _DAMAGED or rng.random() >= share:
+            continue
+        size = client.strlen(key)
+        if size < 4096:
+            continue
+        _DAMAGED.add(key)
+        at = rng.randrange(size // 2, size)
+        byte = client.getrange(key, at, at)
+        if byte:
+            client.setrange(key, at, bytes([byte[0] ^ 0x10]))
 
 
 def _close(llm) -> None:
@@ -101,11 +130,17 @@ def main(spec_path: str, out_path: str) -> None:
     results = []
     deadline = time.monotonic() + spec.get("timeout_s", 600)
     for n, eng in enumerate(spec["engines"]):
-        if eng.get("damage_disk_files"):
-            _damage_files(eng["connector"]["disk_path"], eng["damage_disk_files"], n)
         llm = LLM(**engine_kwargs({"model": spec["model"], **eng}))
-        outs = [run_batch(llm.llm_engine, batch, f"e{n}b{b}", deadline)
-                for b, batch in enumerate(eng["batches"])]
+        outs = []
+        for b, batch in enumerate(eng["batches"]):
+            if eng.get("damage_disk_files"):  # what earlier engines and batches wrote
+                _damage_files(eng["connector"]["disk_path"], eng["damage_disk_files"],
+                              n * 1000 + b)
+            if eng.get("damage_redis_values"):
+                c = eng["connector"]
+                _damage_values(c["redis_url"], c["redis_key_prefix"],
+                               eng["damage_redis_values"], n * 1000 + b)
+            outs.append(run_batch(llm.llm_engine, batch, f"e{n}b{b}", deadline))
         results.append({"outputs": outs, "outstanding": _drain(llm), "totals": _totals(llm)})
         _close(llm)
     json.dump(results, open(out_path, "w"))

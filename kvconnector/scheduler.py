@@ -86,7 +86,7 @@ class SchedulerHalf:
         self._redis_tap = StoreTap()
         self._slots_reported: int | None = None
         self.resumed_requests = 0  # preempted requests seen coming back
-        self.kv_cache_manager: Any = None  # vLLM's, bound after start-up (0.32 on)
+        self.kv_cache_manager: Any = None  # vLLM's, bound after start-up (bind_kv_cache_manager)
 
     def _state(self, request: Request) -> RequestState:
         st = self._requests.get(request.request_id)

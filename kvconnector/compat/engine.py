@@ -108,7 +108,7 @@ def evict_failed_blocks(kv_cache_manager: Any, req_ids: Iterable[str],
     reads KV that was never written: after that request is aborted or preempted (any
     configuration), or beside its prefill capped by ``long_prefill_token_threshold``. The
     requests keep their blocks and recompute into them. Returns the blocks evicted; none
-    where vLLM binds no cache manager to the connector (before 0.32)."""
+    where vLLM bound no cache manager to the connector (``bind_kv_cache_manager``)."""
     if kv_cache_manager is None or not failed:
         return set()
     evict = set(failed)

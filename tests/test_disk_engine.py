@@ -5,6 +5,7 @@ costing misses only, an engine killed while it writes. Every answer is vLLM alon
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -218,7 +219,7 @@ def test_blocks_of_a_failed_load_never_reach_another_request(tiny_model, tmp_pat
     first was aborted before recomputing, not while a prefill capped by
     ``long_prefill_token_threshold`` recomputes them a little at a time, and not when it
     arrived in the same step and shares them (it waits a step)."""
-    rng = __import__("random").Random(31)
+    rng = random.Random(31)
     base = [[rng.randrange(4, 400) for _ in range(1024)] for _ in range(4)]
     tails = [[[rng.randrange(4, 400) for _ in range(40)] for _ in range(2)] for _ in base]
     first, second = ([b + t[i] for b, t in zip(base, tails, strict=True)] for i in (0, 1))

@@ -47,8 +47,7 @@ def _every_load_to_the_helper(worker) -> list[int]:
 
     batched.HELPER_MIN_BYTES = 0
     half = get_kv_transfer_group().worker
-    for layer in half.layers:
-        layer.normal_()
+    _noise_kv(worker)
     return sorted(half._spare_cores) if half._copier._helper is not None else []
 
 
@@ -180,9 +179,11 @@ def _arrivals(llm, step: dict) -> dict:
         engine.abort_request(["first"])
     if "later" in step:
         engine.add_request("later", {"prompt_token_ids": step["later"]}, sp)
-    while engine.has_unfinished_requests():
+    for _ in range(10_000):  # a request that never finishes fails the run, not CI's clock
+        if not engine.has_unfinished_requests():
+            return out
         run_step()
-    return out
+    raise RuntimeError(f"requests still unfinished after 10000 steps: {sorted(out)} done")
 
 
 def _noise_kv(worker) -> bool:

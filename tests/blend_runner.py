@@ -16,7 +16,9 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.engine_runner import (  # noqa: E402
+    _arrivals,
     _flush_tiers,
+    _memory_loads_by_layer,
     _scheduler_outstanding,
     _stress,
     _worker_outstanding,
@@ -174,6 +176,13 @@ def main(spec_path: str, out_path: str) -> None:
             results.append(cached_by_source(llm))
         elif op == "metrics":
             results.append(_metrics(llm))
+        elif op == "reset_prefix_cache":
+            results.append(llm.reset_prefix_cache())
+        elif op == "memory_loads_by_layer":
+            results.append(llm.collective_rpc(_memory_loads_by_layer,
+                                              args=(step.get("late_s", 0.0),))[0])
+        elif op == "arrivals":
+            results.append(_arrivals(llm, step))
         elif op == "break_blend":
             results.append(llm.collective_rpc(_break_blend, args=(step["broken"],))[0])
         else:

@@ -70,6 +70,9 @@ class Prompts:
         # P1's first documents at their stored positions, then one never seen.
         self.p5 = _join([self.s1, self.d1, self.d2, _tokens(rng, 260, avoid),
                          _tokens(rng, 40, avoid)], sep)
+        # The plain prompt's first four blocks, then documents of P1 at other positions.
+        self.on_plain = _join([self.plain[:512], self.d2, self.d1, _tokens(rng, 30, avoid)],
+                              sep)
 
 
 @pytest.fixture(scope="module")
@@ -148,11 +151,11 @@ def baseline(peaked_mistral, prompts, stress_prompts, tmp_path_factory):
             {"op": "generate", "prompts": [p.p1, p.p3, p.plain, p.small]},
             {"op": "generate", "prompts": [p.p2], "logprobs": 20},
             {"op": "generate", "prompts": stress_prompts, "max_tokens": STRESS_TOKENS},
-            {"op": "generate", "prompts": [p.p5]}]},
+            {"op": "generate", "prompts": [p.p5, p.on_plain]}]},
         runner="blend_runner.py", timeout=600)
-    (p1, p3, plain, small), (p2,), stress, (p5,) = res
+    (p1, p3, plain, small), (p2,), stress, (p5, on_plain) = res
     return {"p1": p1, "p2": p2, "p3": p3, "plain": plain, "small": small,
-            "stress": [r["tokens"] for r in stress], "p5": p5}
+            "stress": [r["tokens"] for r in stress], "p5": p5, "on_plain": on_plain}
 
 
 def _blended(prompt: list[int], block: int = 128) -> int:
@@ -469,6 +472,36 @@ def test_a_blend_that_would_cost_full_prefill_is_served_as_usual(peaked_mistral,
     served, metrics = res[1][0], res[2]
     assert metrics.get("blend_requests", 0) == 0 and metrics["blend_declined"] == 1
     assert served["tokens"] == baseline["p2"]["tokens"][:len(served["tokens"])]
+
+
+def test_a_blend_beside_a_load_of_its_prefix_never_reads_it_unloaded(
+        peaked_mistral, prompts, baseline, tmp_path_factory):
+    """A blend runs before the step's forward pass and reads the blocks of vLLM's hit. When
+    that hit is blocks another request of the same step loads from memory, a load that went
+    layer by layer (beside the forward) would leave them unwritten for the blend: such a
+    step loads whole. Here the plain prompt loads its chunks while ``on_plain`` (its first
+    four blocks, then documents) arrives in the same step and is blended on them."""
+    p = prompts
+    cfg = {**_blend_config(), **RATIO_1, "load_by_layer": True}
+    res = run_engine(tmp_path_factory.mktemp("blend-beside-layer-load"), {
+        "model": peaked_mistral, "max_model_len": MAX_LEN, "prefix_caching": True,
+        "connector": cfg, "steps": [
+            {"op": "generate", "prompts": [p.p1, p.plain]},  # 0: documents, plain's chunks
+            {"op": "reset_prefix_cache"},  # 1: kvconnector's memory keeps them
+            {"op": "memory_loads_by_layer", "late_s": 0.3},  # 2: and vLLM's KV is noise
+            {"op": "arrivals", "first": p.plain, "with_first": p.on_plain},  # 3
+            {"op": "totals"},  # 4
+            {"op": "reset_prefix_cache"},  # 5
+            {"op": "arrivals", "first": p.plain},  # 6: alone, the load goes by layer
+            {"op": "totals"}]}, runner="blend_runner.py", timeout=600)
+    assert res[1] and res[2], "the worker must be able to load layer by layer"
+    beside, before, alone, after = res[3], res[4], res[6], res[7]
+    assert beside["first"]["cached"] == alone["first"]["cached"] == _blended(p.plain)
+    assert beside["with_first"]["cached"] == _blended(p.on_plain)
+    assert beside["first"]["tokens"] == alone["first"]["tokens"] == baseline["plain"]["tokens"]
+    assert beside["with_first"]["tokens"] == baseline["on_plain"]["tokens"]
+    assert before["blend_requests"] == 1 and before.get("layer_loads", 0) == 0
+    assert after["layer_loads"] == 1  # the same load without a blend beside it
 
 
 def test_blend_is_visible_on_metrics(blend_run):

@@ -19,6 +19,7 @@ from tests.engine_runner import (  # noqa: E402
     _arrivals,
     _flush_tiers,
     _memory_loads_by_layer,
+    _run_to_completion,
     _scheduler_outstanding,
     _stress,
     _worker_outstanding,
@@ -145,6 +146,38 @@ def _break_blend(worker, broken: bool) -> bool:
     return True
 
 
+def _evicted_while_waiting(llm, step: dict) -> dict:
+    """``filler`` (one token) and then ``prompt`` in one step, which has no room for the
+    second: it is matched (blended from vLLM's hit, its hashes salted from there) but left
+    waiting. Then the blocks of its hit from block ``evict_from`` on leave vLLM's prefix
+    cache, as a block pool under pressure would evict them, and both run to the end. Their answers,
+    and where the blend salted the waiting request's hashes after each of its matches."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    states = scheduler.connector.scheduler._requests
+    sp = SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8), ignore_eos=True)
+    engine.add_request("filler", {"prompt_token_ids": step["filler"]},
+                       SamplingParams(temperature=0, max_tokens=1))
+    rid = engine.add_request("waited", {"prompt_token_ids": step["prompt"]}, sp)  # vLLM's id
+    engine.step()
+    waited = scheduler.requests[rid]
+    salted = [states[rid].blend.salted_at]
+    unscheduled = waited.num_computed_tokens == 0
+    pool = scheduler.kv_cache_manager.block_pool
+    evicted = set()
+    for h in waited.block_hashes[step["evict_from"]:salted[0] // scheduler.block_size]:
+        blocks = pool.get_cached_block(h, [0])
+        if blocks:
+            evicted.add(blocks[0].block_id)
+    pool.evict_blocks(evicted)
+    engine.step()
+    salted.append(states[rid].blend.salted_at if rid in states else None)
+    out = _run_to_completion(engine, time.monotonic() + 120)
+    return {**out, "unscheduled": unscheduled, "evicted": len(evicted), "salted_at": salted}
+
+
 def main(spec_path: str, out_path: str) -> None:
     spec = json.load(open(spec_path))
     from vllm import LLM
@@ -183,6 +216,8 @@ def main(spec_path: str, out_path: str) -> None:
                                               args=(step.get("late_s", 0.0),))[0])
         elif op == "arrivals":
             results.append(_arrivals(llm, step))
+        elif op == "evicted_while_waiting":
+            results.append(_evicted_while_waiting(llm, step))
         elif op == "break_blend":
             results.append(llm.collective_rpc(_break_blend, args=(step["broken"],))[0])
         else:

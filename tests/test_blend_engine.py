@@ -504,6 +504,33 @@ def test_a_blend_beside_a_load_of_its_prefix_never_reads_it_unloaded(
     assert after["layer_loads"] == 1  # the same load without a blend beside it
 
 
+def test_a_blend_whose_hit_shrank_while_it_waited_never_gives_exact_requests_its_kv(
+        peaked_mistral, prompts, baseline, tmp_path_factory):
+    """A blend salts vLLM's block hashes from the end of vLLM's hit when it matches. Left
+    waiting (no room in the step) while vLLM evicts the end of that hit, it is blended from
+    the shorter hit on, so the blocks between must be salted too: cached under their plain
+    hashes, they gave the same prompt, served exactly, blended KV."""
+    p = prompts
+    rng = random.Random(11)
+    filler = _tokens(rng, MAX_LEN - 2, set(p.sep))  # leaves no room for P2's 3-token tail
+    res = run_engine(tmp_path_factory.mktemp("blend-hit-shrank"), {
+        "model": peaked_mistral, "max_model_len": MAX_LEN, "prefix_caching": True,
+        "connector": {**_blend_config(), **RATIO_0},
+        "llm": {"enable_chunked_prefill": False, "max_num_batched_tokens": MAX_LEN},
+        "steps": [
+            {"op": "generate", "prompts": [p.p1]},  # 0: stores the documents
+            {"op": "generate", "prompts": [p.p2[:513]], "params": {"blend": False}},  # 1
+            {"op": "evicted_while_waiting", "filler": filler, "prompt": p.p2,
+             "evict_from": 3},  # 2: P2 matched with a hit of 4 blocks, blended from 3
+            {"op": "generate", "prompts": [p.p2], "params": {"blend": False}}]},  # 3
+        runner="blend_runner.py", timeout=600)
+    waited, exact = res[2], res[3][0]
+    assert waited["unscheduled"] and waited["evicted"] == 1
+    assert waited["salted_at"] == [512, 384]
+    assert waited["waited"]["tokens"] != baseline["p2"]["tokens"], "needs blended KV to differ"
+    assert exact["tokens"] == baseline["p2"]["tokens"]
+
+
 def test_blend_is_visible_on_metrics(blend_run):
     """Issue 20: blended requests, reused and recomputed tokens, blend time, documents,
     prompts without a separator reach vLLM's Prometheus registry (/metrics)."""

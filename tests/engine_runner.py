@@ -191,7 +191,8 @@ def _memory_loads_by_layer(worker, late_s: float = 0.0) -> bool:
     are far below ``LAYER_MIN_BYTES``; in a one-process engine the worker has no spare core
     of its own, so one is made up), each ``late_s`` late (so that whatever reads its blocks
     before waiting for them reads them unwritten, not just early), and fills vLLM's KV
-    cache with noise; whether this worker loads layer by layer at all (``load_by_layer``)."""
+    cache with noise; whether this worker loads layer by layer at all (``load_by_layer``).
+    The runner puts ``LAYER_MIN_BYTES`` back when its run ends (a hosted run shares it)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from kvconnector import worker as worker_half

@@ -150,18 +150,27 @@ def _evicted_while_waiting(llm, step: dict) -> dict:
     """``filler`` (one token) and then ``prompt`` in one step, which has no room for the
     second: it is matched (blended from vLLM's hit, its hashes salted from there) but left
     waiting. Then the blocks of its hit from block ``evict_from`` on leave vLLM's prefix
-    cache, as a block pool under pressure would evict them, and both run to the end. Their answers,
-    and where the blend salted the waiting request's hashes after each of its matches."""
+    cache, as a block pool under pressure would evict them, and both run to the end. The
+    answers by name, and where the blend salted the waiting request's hashes after each of
+    its first two matches."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     states = scheduler.connector.scheduler._requests
+    out: dict = {}
+
+    def run_step() -> None:
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = {"tokens": list(o.outputs[0].token_ids),
+                                     "cached": o.num_cached_tokens or 0}
+
     sp = SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8), ignore_eos=True)
     engine.add_request("filler", {"prompt_token_ids": step["filler"]},
                        SamplingParams(temperature=0, max_tokens=1))
     rid = engine.add_request("waited", {"prompt_token_ids": step["prompt"]}, sp)  # vLLM's id
-    engine.step()
+    run_step()
     waited = scheduler.requests[rid]
     salted = [states[rid].blend.salted_at]
     unscheduled = waited.num_computed_tokens == 0
@@ -172,9 +181,9 @@ def _evicted_while_waiting(llm, step: dict) -> dict:
         if blocks:
             evicted.add(blocks[0].block_id)
     pool.evict_blocks(evicted)
-    engine.step()
+    run_step()
     salted.append(states[rid].blend.salted_at if rid in states else None)
-    out = _run_to_completion(engine, time.monotonic() + 120)
+    out.update(_run_to_completion(engine, time.monotonic() + 120))
     return {**out, "unscheduled": unscheduled, "evicted": len(evicted), "salted_at": salted}
 
 

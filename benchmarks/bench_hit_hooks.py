@@ -130,6 +130,10 @@ def main() -> None:
         if differ:
             raise SystemExit(f"{differ} memory hits of {n} tokens gave another first token "
                              "than vLLM's own hit")
+        short = sum(r["memory"]["cached"] < r["vllm"]["cached"] for r in runs[n])
+        if short:
+            raise SystemExit(f"{short} memory hits of {n} tokens loaded less than vLLM's own "
+                             "hit held: --memory-capacity too small for the prompts?")
         s = {t: _median([r[t]["s"] for r in recs]) for t in ("vllm", "memory")}
         total = {t: _median([sum(r[t]["calls"].get(k, 0.0) for k in CALLS) for r in recs])
                  for t in ("vllm", "memory")}

@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from tests.engine_runner import (  # noqa: E402
     _arrivals,
     _flush_tiers,
-    _memory_loads_by_layer,
+    _noise_kv,
     _run_to_completion,
     _scheduler_outstanding,
     _stress,
@@ -143,6 +143,33 @@ def _break_blend(worker, broken: bool) -> bool:
         raise RuntimeError("injected: a blend that fails")
 
     blend_worker.run_blend = fail if broken else _RUN_BLEND[0]
+    return True
+
+
+def _memory_loads_by_layer(worker, late_s: float = 0.0) -> bool:
+    """Sends every load from memory layer by layer, however small (the tiny models' loads
+    are far below ``LAYER_MIN_BYTES``; in a one-process engine the worker has no spare core
+    of its own, so one is made up), each ``late_s`` late (so that whatever reads its blocks
+    before waiting for them reads them unwritten, not just early), and fills vLLM's KV
+    cache with noise; whether this worker loads layer by layer at all (``load_by_layer``).
+    ``main`` puts ``LAYER_MIN_BYTES`` back when the run ends (a hosted run shares it)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvconnector import worker as worker_half
+
+    half = get_kv_transfer_group().worker
+    if half.layer_loads is None:
+        return False
+    worker_half.LAYER_MIN_BYTES = 0
+    half._spare_cores = half._spare_cores or {0}
+    _noise_kv(worker)
+    loads, load = half.layer_loads, half.layer_loads._load
+
+    def late(*args):
+        time.sleep(late_s)
+        return load(*args)
+
+    loads._load = late
     return True
 
 

@@ -186,33 +186,6 @@ def _arrivals(llm, step: dict) -> dict:
     raise RuntimeError(f"requests still unfinished after 10000 steps: {sorted(out)} done")
 
 
-def _memory_loads_by_layer(worker, late_s: float = 0.0) -> bool:
-    """Sends every load from memory layer by layer, however small (the tiny models' loads
-    are far below ``LAYER_MIN_BYTES``; in a one-process engine the worker has no spare core
-    of its own, so one is made up), each ``late_s`` late (so that whatever reads its blocks
-    before waiting for them reads them unwritten, not just early), and fills vLLM's KV
-    cache with noise; whether this worker loads layer by layer at all (``load_by_layer``).
-    The runner puts ``LAYER_MIN_BYTES`` back when its run ends (a hosted run shares it)."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    from kvconnector import worker as worker_half
-
-    half = get_kv_transfer_group().worker
-    if half.layer_loads is None:
-        return False
-    worker_half.LAYER_MIN_BYTES = 0
-    half._spare_cores = half._spare_cores or {0}
-    _noise_kv(worker)
-    loads, load = half.layer_loads, half.layer_loads._load
-
-    def late(*args):
-        time.sleep(late_s)
-        return load(*args)
-
-    loads._load = late
-    return True
-
-
 def _noise_kv(worker) -> bool:
     """vLLM's KV cache filled with noise: a block read before anything wrote it shows."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group

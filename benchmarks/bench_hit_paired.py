@@ -23,6 +23,9 @@ With ``--example``, as many engines again run vLLM's ``ExampleConnector`` (safet
 in a temporary folder) instead of kvconnector, on the same prompts: the first request of a
 prompt is a miss that stores it, then vLLM's own hit, ``reset_prefix_cache()``, and the
 ExampleConnector's hit. Its ratio is over vLLM's hit in its own engine, as kvconnector's are.
+``--floor`` does the same with ``floor_connector.py``: the least a connector can do for a
+memory hit (the same prompt's blocks kept in the worker, copied back in one copy per run of
+blocks), so kvconnector's memory hit can be told apart from what any connector costs here.
 
 Each hit follows the same pause (``--pause``) and 16-token request (which also flushes the
 connector's timers), as in ``bench_peers.py``. A ratio is a prompt's hit time over its vLLM
@@ -57,7 +60,7 @@ from common import (
     write_results,
 )
 
-TIERS = ("redis", "disk", "vllm", "memory", "example")
+TIERS = ("redis", "disk", "vllm", "memory", "example", "floor")
 GOALS = {"memory": 1.05, "redis": 1.25}
 
 
@@ -122,6 +125,9 @@ def main() -> None:
     p.add_argument("--example", action="store_true",
                    help="also as many engines with vLLM's ExampleConnector, whose hit after "
                         "reset_prefix_cache() is paired with vLLM's own hit the same way")
+    p.add_argument("--floor", action="store_true",
+                   help="also as many engines with floor_connector.py (the least a connector "
+                        "does for a memory hit), paired with vLLM's own hit the same way")
     p.add_argument("--plot", default=None)
     args = p.parse_args()
     if args.disk:
@@ -168,8 +174,13 @@ def bench(args, disk_root: str | None) -> None:
                            "kv_connector_extra_config": {"shared_storage_path": folder}}
                 engines.append(in_fresh_process(run_engine, model, args, example, prompts,
                                                 None, "example"))
+        if args.floor:
+            floor = {"kv_connector": "FloorConnector", "kv_connector_module_path":
+                     "floor_connector", "kv_role": "kv_both"}
+            engines.append(in_fresh_process(run_engine, model, args, floor, prompts, None,
+                                            "floor"))
     tiers = [t for t in TIERS if t in ("vllm", "memory") or t == lower
-             or (t == "example" and args.example)]
+             or (t == "example" and args.example) or (t == "floor" and args.floor)]
     report(args, model, lengths, tiers, engines)
 
 
@@ -183,6 +194,7 @@ def report(args, model: str, lengths: list[int], tiers: list[str],
     phases: dict[str, dict[int, dict[str, float]]] = {t: {n: {} for n in lengths}
                                                       for t in loaded}
     differ: list[str] = []
+    short: list[str] = []  # hits that loaded less than vLLM's own hit held: not hits
     for e, runs in enumerate(engines):
         for n in lengths:
             recs = runs[n]
@@ -190,7 +202,7 @@ def report(args, model: str, lengths: list[int], tiers: list[str],
                 secs[t][n] += [r[t]["s"] for r in recs if t in r]
             for t in loaded:
                 if t not in recs[0]:
-                    continue  # kvconnector's engines or ExampleConnector's
+                    continue  # kvconnector's engines, ExampleConnector's or the floor's
                 mine = [r[t]["s"] / r["vllm"]["s"] for r in recs]
                 ratios[t][n] += mine
                 per_engine[t][n].append(statistics.median(mine))
@@ -200,6 +212,9 @@ def report(args, model: str, lengths: list[int], tiers: list[str],
                             len(recs) * sum(t in runs_[n][0] for runs_ in engines))
                     if r[t]["token"] != r["vllm"]["token"]:
                         differ.append(f"engine {e}, {n} tokens, {t}")
+                    if r[t]["cached"] < r["vllm"]["cached"]:
+                        short.append(f"engine {e}, {n} tokens, {t}: {r[t]['cached']} of "
+                                     f"{r['vllm']['cached']}")
     med = {t: {n: statistics.median(ratios[t][n]) for n in lengths} for t in loaded}
     print(f"\na hit against vLLM's own hit of the same prompt in the same engine; {model} "
           f"({args.dtype}), {args.prompts} prompts x {len(per_engine['memory'][lengths[0]])} "
@@ -216,19 +231,23 @@ def report(args, model: str, lengths: list[int], tiers: list[str],
     print("goals: " + ", ".join(f"{t} at most {g}x" for t, g in GOALS.items() if t in loaded))
     print("first tokens: " + ("all equal to vLLM's own hit's" if not differ
                               else "DIFFER in " + "; ".join(differ)))
+    if short:
+        print("LOADED LESS than vLLM's own hit held (timed as hits, they were not): "
+              + "; ".join(short))
     print("where a hit's time went (ms per hit, the connector's phase timers):")
     for t in loaded:
         for n in lengths:
             parts = sorted(phases[t][n].items(), key=lambda kv: -kv[1])[:6]
             if not parts:
-                continue  # ExampleConnector has no phase timers
+                continue  # ExampleConnector and the floor have no phase timers
             print(f"  {t}, {n} tokens: " + ", ".join(f"{k} {v * 1000:.2f}" for k, v in parts))
     out = write_results(args.out, "hit_paired", {
         "model": model, "dtype": args.dtype, "lengths": lengths, "prompts": args.prompts,
         "engines": len(engines), "pause_s": args.pause, "key_mirror": args.key_mirror,
         "redis_cpus": getattr(args, "redis_cpus_used", None),
         "ratio_median": med, "ratio_per_engine": per_engine, "ratios": ratios,
-        "seconds": secs, "phases_per_hit_s": phases, "tokens_differ": differ})
+        "seconds": secs, "phases_per_hit_s": phases, "tokens_differ": differ,
+        "loaded_less": short})
     print(f"results: {out}")
     ratio_plot(args.plot or out.with_suffix(".png"), lengths,
                {f"{t} hit": med[t] for t in loaded},

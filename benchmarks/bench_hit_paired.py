@@ -26,6 +26,8 @@ ExampleConnector's hit. Its ratio is over vLLM's hit in its own engine, as kvcon
 ``--floor`` does the same with ``floor_connector.py``: the least a connector can do for a
 memory hit (the same prompt's blocks kept in the worker, copied back in one copy per run of
 blocks), so kvconnector's memory hit can be told apart from what any connector costs here.
+With Redis, its engines first read each prompt from Redis (one ``GET`` of the whole prompt,
+written there by a first floor engine) as kvconnector's first hit does ("floor-redis").
 
 Each hit follows the same pause (``--pause``) and 16-token request (which also flushes the
 connector's timers), as in ``bench_peers.py``. A ratio is a prompt's hit time over its vLLM
@@ -60,7 +62,7 @@ from common import (
     write_results,
 )
 
-TIERS = ("redis", "disk", "vllm", "memory", "example", "floor")
+TIERS = ("redis", "disk", "vllm", "memory", "example", "floor-redis", "floor")
 GOALS = {"memory": 1.05, "redis": 1.25}
 
 
@@ -71,7 +73,7 @@ def run_engine(model: str, args, kvt: dict, prompts: dict[int, list[list[int]]],
     out: dict[int, list[dict]] = {}
 
     with engine(model, args, kvt, max_len, enable_prefix_caching=True,
-                max_num_batched_tokens=max_len, disable_log_stats=False) as llm:
+                max_num_batched_tokens=max_len, disable_log_stats=not args.log_stats) as llm:
 
         def settle() -> dict[str, float]:
             time.sleep(args.pause)
@@ -128,6 +130,9 @@ def main() -> None:
     p.add_argument("--floor", action="store_true",
                    help="also as many engines with floor_connector.py (the least a connector "
                         "does for a memory hit), paired with vLLM's own hit the same way")
+    p.add_argument("--no-log-stats", dest="log_stats", action="store_false",
+                   help="vLLM's stat loggers off (as LLM() has them by default): no phase "
+                        "timers then")
     p.add_argument("--plot", default=None)
     args = p.parse_args()
     if args.disk:
@@ -177,10 +182,20 @@ def bench(args, disk_root: str | None) -> None:
         if args.floor:
             floor = {"kv_connector": "FloorConnector", "kv_connector_module_path":
                      "floor_connector", "kv_role": "kv_both"}
-            engines.append(in_fresh_process(run_engine, model, args, floor, prompts, None,
-                                            "floor"))
+            floor_lower = None
+            if lower == "redis":
+                import redis
+
+                floor["kv_connector_extra_config"] = {"redis_url": args.redis_url}
+                redis.Redis.from_url(args.redis_url).flushall()
+                in_fresh_process(fill_redis, model, args, floor, prompts,
+                                 sum(len(g) for g in prompts.values()))  # a value a prompt
+                floor_lower = "floor-redis"
+            engines.append(in_fresh_process(run_engine, model, args, floor, prompts,
+                                            floor_lower, "floor"))
     tiers = [t for t in TIERS if t in ("vllm", "memory") or t == lower
-             or (t == "example" and args.example) or (t == "floor" and args.floor)]
+             or (t == "example" and args.example) or (t == "floor" and args.floor)
+             or (t == "floor-redis" and args.floor and lower == "redis")]
     report(args, model, lengths, tiers, engines)
 
 

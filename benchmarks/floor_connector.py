@@ -2,7 +2,11 @@
 
 ``bench_hit_paired.py --floor`` runs engines with this connector. It keeps whole prompts in
 the worker's memory, keyed by the prompt's tokens, and on a hit of the same prompt copies
-the blocks back in one slice copy per run of blocks and layer, before the forward pass. It
+the blocks back in one slice copy per run of blocks and layer, before the forward pass.
+With ``kv_connector_extra_config: {"redis_url": ...}`` it also writes each prompt to Redis
+as one value (every layer's blocks, on the miss's own step), its scheduler half knows the
+prompts Redis held when it started (one ``SCAN``, no lookups after), and a hit of one of
+those that it does not hold is one ``GET`` before the forward pass. It
 has none of what a product needs: no chunks (only the same prompt hits), no checks of what
 it loads, no bound on its memory, no tiers, no eviction, no metrics, no tensor parallelism,
 and its scheduler half assumes that every save it asks for happens. What it costs over
@@ -15,9 +19,11 @@ vLLM names it by module path: ``{"kv_connector": "FloorConnector",
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import redis
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -34,6 +40,7 @@ class Transfer:
     key: int
     block_ids: list[int]  # vLLM's blocks, in the prompt's order
     first: int  # index of the first of them among the prompt's stored blocks
+    redis: bool = False  # read from Redis first
 
 
 @dataclass
@@ -65,6 +72,12 @@ class FloorConnector(KVConnectorBase_V1):
         self._pages: dict[str, torch.Tensor] = {}  # worker: vLLM's KV, per layer
         self._held: dict[int, dict[str, torch.Tensor]] = {}  # worker: key -> layer -> blocks
         self._ratio = 1  # kernel blocks per vLLM block
+        url = self._kv_transfer_config.get_from_extra_config("redis_url", None)
+        self._redis = redis.Redis.from_url(url) if url else None
+        self._in_redis: set[int] = set()
+        if self._redis is not None:
+            self._redis.ping()  # the connection is open before the first hit
+            self._in_redis = {int(k.split(b":")[1]) for k in self._redis.scan_iter(b"floor:*")}
 
     # scheduler half
 
@@ -74,7 +87,7 @@ class FloorConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         key, n = self._stored(list(request.prompt_token_ids or []))
-        if key not in self._saved or n <= num_computed_tokens:
+        if (key not in self._saved and key not in self._in_redis) or n <= num_computed_tokens:
             return 0, False
         self._asked[request.request_id] = (key, num_computed_tokens, n)
         return n - num_computed_tokens, False
@@ -86,7 +99,8 @@ class FloorConnector(KVConnectorBase_V1):
         key, computed, n = asked
         first = computed // self._block
         ids = blocks.get_block_ids()[0][first:n // self._block]
-        self._loads.append(Transfer(key, list(ids), first))
+        self._loads.append(Transfer(key, list(ids), first, key not in self._saved))
+        self._saved.add(key)  # the worker holds it from this step on
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = FloorMeta(loads=self._loads)
@@ -111,6 +125,8 @@ class FloorConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, FloorMeta)
         for t in meta.loads:
+            if t.redis:
+                self._fetch(t.key)
             held = self._held[t.key]
             r = self._ratio
             for off, first, n in _runs(t.block_ids):
@@ -133,3 +149,21 @@ class FloorConnector(KVConnectorBase_V1):
             ids = torch.tensor([b * r + i for b in t.block_ids for i in range(r)])
             self._held[t.key] = {name: pages.index_select(0, ids)
                                  for name, pages in self._pages.items()}
+            if self._redis is not None:
+                self._redis.set(b"floor:%d" % t.key,
+                                b"".join(v.view(torch.uint8).numpy().tobytes()
+                                         for v in self._held[t.key].values()))
+
+    def _fetch(self, key: int) -> None:
+        assert self._redis is not None
+        data = self._redis.get(b"floor:%d" % key)
+        with warnings.catch_warnings():  # read only: copied from, never written
+            warnings.simplefilter("ignore")
+            raw = torch.frombuffer(data, dtype=torch.uint8)
+        held, at = {}, 0
+        for name, pages in self._pages.items():
+            size = len(data) // len(self._pages)
+            block = raw[at:at + size].view(pages.dtype)
+            held[name] = block.view(-1, *pages.shape[1:])
+            at += size
+        self._held[key] = held

@@ -129,7 +129,8 @@ def main() -> None:
                         "reset_prefix_cache() is paired with vLLM's own hit the same way")
     p.add_argument("--floor", action="store_true",
                    help="also as many engines with floor_connector.py (the least a connector "
-                        "does for a memory hit), paired with vLLM's own hit the same way")
+                        "does for a hit: from memory, and from Redis with a Redis tier), "
+                        "paired with vLLM's own hit the same way")
     p.add_argument("--no-log-stats", dest="log_stats", action="store_false",
                    help="vLLM's stat loggers off (as LLM() has them by default): no phase "
                         "timers then")

@@ -1,4 +1,4 @@
-"""The least a connector can do for a memory hit: a floor to measure kvconnector against.
+"""The least a connector can do for a hit: a floor to measure kvconnector against.
 
 ``bench_hit_paired.py --floor`` runs engines with this connector. It keeps whole prompts in
 the worker's memory, keyed by the prompt's tokens, and on a hit of the same prompt copies
@@ -6,8 +6,8 @@ the blocks back in one slice copy per run of blocks and layer, before the forwar
 With ``kv_connector_extra_config: {"redis_url": ...}`` it also writes each prompt to Redis
 as one value (every layer's blocks, on the miss's own step), its scheduler half knows the
 prompts Redis held when it started (one ``SCAN``, no lookups after), and a hit of one of
-those that it does not hold is one ``GET`` before the forward pass. It
-has none of what a product needs: no chunks (only the same prompt hits), no checks of what
+those that it does not hold is one ``GET`` before the forward pass. It has none of what a
+product needs: no chunks (only the same prompt hits), no checks of what
 it loads, no bound on its memory, no tiers, no eviction, no metrics, no tensor parallelism,
 and its scheduler half assumes that every save it asks for happens. What it costs over
 vLLM's own prefix-cache hit is what vLLM's connector calls, a lookup and one copy cost any

@@ -157,12 +157,13 @@ class FloorConnector(KVConnectorBase_V1):
     def _fetch(self, key: int) -> None:
         assert self._redis is not None
         data = self._redis.get(b"floor:%d" % key)
+        if data is None:  # the floor has no misses to fall back on: the benchmark is off
+            raise RuntimeError(f"floor:{key} left Redis after start-up (flushed, or evicted)")
         with warnings.catch_warnings():  # read only: copied from, never written
             warnings.simplefilter("ignore")
             raw = torch.frombuffer(data, dtype=torch.uint8)
-        held, at = {}, 0
+        held, at, size = {}, 0, len(data) // len(self._pages)
         for name, pages in self._pages.items():
-            size = len(data) // len(self._pages)
             block = raw[at:at + size].view(pages.dtype)
             held[name] = block.view(-1, *pages.shape[1:])
             at += size

@@ -54,6 +54,7 @@ from common import (
     connector_seconds,
     engine,
     in_fresh_process,
+    median_interval,
     random_prompt,
     ratio_plot,
     redis_for,
@@ -206,6 +207,8 @@ def report(args, model: str, lengths: list[int], tiers: list[str],
     ratios: dict[str, dict[int, list[float]]] = {t: {n: [] for n in lengths} for t in loaded}
     per_engine: dict[str, dict[int, list[float]]] = {t: {n: [] for n in lengths}
                                                      for t in loaded}
+    by_engine: dict[str, dict[int, list[list[float]]]] = {t: {n: [] for n in lengths}
+                                                          for t in loaded}
     secs: dict[str, dict[int, list[float]]] = {t: {n: [] for n in lengths} for t in tiers}
     phases: dict[str, dict[int, dict[str, float]]] = {t: {n: {} for n in lengths}
                                                       for t in loaded}
@@ -222,6 +225,7 @@ def report(args, model: str, lengths: list[int], tiers: list[str],
                 mine = [r[t]["s"] / r["vllm"]["s"] for r in recs]
                 ratios[t][n] += mine
                 per_engine[t][n].append(statistics.median(mine))
+                by_engine[t][n].append(mine)
                 for r in recs:
                     for k, v in r[t]["phases"].items():
                         phases[t][n][k] = phases[t][n].get(k, 0.0) + v / (
@@ -232,19 +236,23 @@ def report(args, model: str, lengths: list[int], tiers: list[str],
                         short.append(f"engine {e}, {n} tokens, {t}: {r[t]['cached']} of "
                                      f"{r['vllm']['cached']}")
     med = {t: {n: statistics.median(ratios[t][n]) for n in lengths} for t in loaded}
+    interval = {t: {n: median_interval(by_engine[t][n]) for n in lengths} for t in loaded}
     print(f"\na hit against vLLM's own hit of the same prompt in the same engine; {model} "
           f"({args.dtype}), {args.prompts} prompts x {len(per_engine['memory'][lengths[0]])} "
           "engines per length and connector")
     print(f"{'tokens':>7} {'vLLM hit':>10} " + " ".join(
-        f"{t + ' hit':>12} {'ratio':>7} {'per engine':>22}" for t in loaded))
+        f"{t + ' hit':>12} {'ratio':>7} {'90% interval':>13} {'per engine':>22}"
+        for t in loaded))
     for n in lengths:
         cells = [f"{statistics.median(secs['vllm'][n]) * 1000:>8.2f}ms"]
         for t in loaded:
             spread = ", ".join(f"{x:.2f}" for x in per_engine[t][n])
             cells.append(f"{statistics.median(secs[t][n]) * 1000:>10.2f}ms "
-                         f"{med[t][n]:>6.3f}x {spread:>22}")
+                         f"{med[t][n]:>6.3f}x {interval[t][n][0]:>6.3f}-{interval[t][n][1]:.3f}"
+                         f" {spread:>22}")
         print(f"{n:>7} " + " ".join(cells))
     print("goals: " + ", ".join(f"{t} at most {g}x" for t, g in GOALS.items() if t in loaded))
+    print("90% interval: of the median ratio, engines and then hits resampled (bootstrap)")
     print("first tokens: " + ("all equal to vLLM's own hit's" if not differ
                               else "DIFFER in " + "; ".join(differ)))
     if short:
@@ -261,7 +269,8 @@ def report(args, model: str, lengths: list[int], tiers: list[str],
         "model": model, "dtype": args.dtype, "lengths": lengths, "prompts": args.prompts,
         "engines": len(engines), "pause_s": args.pause, "key_mirror": args.key_mirror,
         "redis_cpus": getattr(args, "redis_cpus_used", None),
-        "ratio_median": med, "ratio_per_engine": per_engine, "ratios": ratios,
+        "ratio_median": med, "ratio_median_interval_90": interval,
+        "ratio_per_engine": per_engine, "ratios": ratios,
         "seconds": secs, "phases_per_hit_s": phases, "tokens_differ": differ,
         "loaded_less": short})
     print(f"results: {out}")

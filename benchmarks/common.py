@@ -149,6 +149,27 @@ def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(10, vocab - 1) for _ in range(n)]
 
 
+def median_interval(groups: list[list[float]], level: float = 0.9, rounds: int = 2000,
+                    seed: int = 0) -> tuple[float, float]:
+    """A bootstrap interval for the median of ``groups`` (one list per engine): engines are
+    resampled, then values within each, since two engines differ more than two values of
+    one engine do."""
+    groups = [g for g in groups if g]
+    if not groups:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    meds = []
+    for _ in range(rounds):
+        pick = [rng.choice(groups) for _ in groups]
+        values = [rng.choice(g) for g in pick for _ in g]
+        values.sort()
+        mid = len(values) // 2
+        meds.append(values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2)
+    meds.sort()
+    tail = (1 - level) / 2
+    return meds[int(tail * (rounds - 1))], meds[int((1 - tail) * (rounds - 1))]
+
+
 def connector(extra: dict) -> dict:
     return {"kv_connector": "kvconnector", "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}

@@ -22,6 +22,12 @@ halves, so it does not show here; ``bench_miss.py`` measures it between engines
 ``--full-redis 256mb`` adds a tier with a second local Redis that evicts beyond that size
 and is filled to it before each engine (``common.fill_to_maxmemory``): a Redis cache that
 has run for a while, against the first one, which grows through the run.
+
+``--floor`` adds engines with ``floor_connector.py`` (memory, and memory + Redis with a Redis
+tier): the least a connector can do on a miss (every layer's blocks copied once after the
+prompt's step; with Redis, the prompt written as one value from a thread of its own), its
+misses paired with requests that opt out of it in the same way. What a miss costs any
+connector here, beside what kvconnector's costs.
 """
 
 from __future__ import annotations
@@ -102,6 +108,9 @@ def main() -> None:
     p.add_argument("--key-mirror", action="store_true",
                    help="also memory + Redis with redis_key_mirror (lookups answered from "
                         "the scheduler's list of Redis's keys)")
+    p.add_argument("--floor", action="store_true",
+                   help="also engines with floor_connector.py (the least a connector does "
+                        "on a miss), memory and, with Redis, memory + Redis")
     p.add_argument("--plot", default=None)
     with redis_for(p.parse_args()) as args, contextlib.ExitStack() as stack:
         args.full_redis_url = None
@@ -119,6 +128,13 @@ def bench(args, disk_path: str | None) -> None:
     model, vocab = resolve_model(args)
     lengths = sorted(int(x) for x in args.lengths.split(","))
     tiers = tier_connectors(args, disk_path, args.full_redis_url)
+    if args.floor:
+        floor = {"kv_connector": "FloorConnector", "kv_connector_module_path": "floor_connector",
+                 "kv_role": "kv_both"}
+        tiers["floor"] = floor
+        if args.redis_url:
+            tiers["floor + Redis"] = {**floor, "kv_connector_extra_config": {
+                "redis_url": args.redis_url}}
     order = rotated_order(list(tiers), args.engines)
     runs: dict[str, list[dict]] = {t: [] for t in tiers}
     for i, tier in enumerate(tqdm(order, desc="engines")):

@@ -4,14 +4,17 @@
 the worker's memory, keyed by the prompt's tokens, and on a hit of the same prompt copies
 the blocks back in one slice copy per run of blocks and layer, before the forward pass.
 With ``kv_connector_extra_config: {"redis_url": ...}`` it also writes each prompt to Redis
-as one value (every layer's blocks, on the miss's own step), its scheduler half knows the
+as one value (every layer's blocks, from a thread of its own, as kvconnector's puts run), its
+scheduler half knows the
 prompts Redis held when it started (one ``SCAN``, no lookups after), and a hit of one of
 those that it does not hold is one ``GET`` before the forward pass. It has none of what a
 product needs: no chunks (only the same prompt hits), no checks of what
 it loads, no bound on its memory, no tiers, no eviction, no metrics, no tensor parallelism,
 and its scheduler half assumes that every save it asks for happens. What it costs over
 vLLM's own prefix-cache hit is what vLLM's connector calls, a lookup and one copy cost any
-connector in this engine on this machine.
+connector in this engine on this machine. A request with ``kv_transfer_params:
+{"kvconnector": false}`` opts out of it as of kvconnector (``bench_miss_paired.py --floor``
+pairs its misses with those).
 
 vLLM names it by module path: ``{"kv_connector": "FloorConnector",
 "kv_connector_module_path": "floor_connector"}`` with this folder on ``sys.path``.
@@ -19,6 +22,8 @@ vLLM names it by module path: ``{"kv_connector": "FloorConnector",
 
 from __future__ import annotations
 
+import queue
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -68,6 +73,7 @@ class FloorConnector(KVConnectorBase_V1):
         self._block = vllm_config.cache_config.block_size
         self._saved: set[int] = set()  # scheduler: prompts the worker holds
         self._asked: dict[str, tuple[int, int, int]] = {}  # req id: key, computed, tokens
+        self._opted_out: set[str] = set()  # scheduler: requests not to save
         self._loads: list[Transfer] = []
         self._pages: dict[str, torch.Tensor] = {}  # worker: vLLM's KV, per layer
         self._held: dict[int, dict[str, torch.Tensor]] = {}  # worker: key -> layer -> blocks
@@ -78,6 +84,8 @@ class FloorConnector(KVConnectorBase_V1):
         if self._redis is not None:
             self._redis.ping()  # the connection is open before the first hit
             self._in_redis = {int(k.split(b":")[1]) for k in self._redis.scan_iter(b"floor:*")}
+        self._writes: queue.Queue[tuple[int, dict[str, torch.Tensor]] | None] = queue.Queue()
+        self._writer: threading.Thread | None = None
 
     # scheduler half
 
@@ -86,6 +94,9 @@ class FloorConnector(KVConnectorBase_V1):
         return hash(tuple(tokens[:n])), n
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        if (request.kv_transfer_params or {}).get("kvconnector") is False:
+            self._opted_out.add(request.request_id)
+            return 0, False
         key, n = self._stored(list(request.prompt_token_ids or []))
         if (key not in self._saved and key not in self._in_redis) or n <= num_computed_tokens:
             return 0, False
@@ -106,6 +117,9 @@ class FloorConnector(KVConnectorBase_V1):
         meta = FloorMeta(loads=self._loads)
         self._loads = []
         for req in scheduler_output.scheduled_new_reqs:
+            if req.req_id in self._opted_out:
+                self._opted_out.discard(req.req_id)
+                continue
             tokens = list(req.prompt_token_ids or [])
             key, n = self._stored(tokens)
             whole = (scheduler_output.num_scheduled_tokens[req.req_id]
@@ -150,9 +164,24 @@ class FloorConnector(KVConnectorBase_V1):
             self._held[t.key] = {name: pages.index_select(0, ids)
                                  for name, pages in self._pages.items()}
             if self._redis is not None:
-                self._redis.set(b"floor:%d" % t.key,
-                                b"".join(v.view(torch.uint8).numpy().tobytes()
-                                         for v in self._held[t.key].values()))
+                if self._writer is None:
+                    self._writer = threading.Thread(target=self._write_loop, daemon=True,
+                                                    name="floor-redis-put")
+                    self._writer.start()
+                self._writes.put((t.key, self._held[t.key]))
+
+    def _write_loop(self) -> None:
+        assert self._redis is not None
+        while (item := self._writes.get()) is not None:
+            key, held = item
+            self._redis.set(b"floor:%d" % key,
+                            b"".join(memoryview(v.view(torch.uint8).reshape(-1).numpy())
+                                     for v in held.values()))
+
+    def shutdown(self) -> None:
+        if self._writer is not None:
+            self._writes.put(None)
+            self._writer.join(10)
 
     def _fetch(self, key: int) -> None:
         assert self._redis is not None

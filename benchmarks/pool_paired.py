@@ -1,0 +1,55 @@
+"""Paired hit runs pooled: the median ratio over every engine of several result files.
+
+    python benchmarks/pool_paired.py docs/results/hit_paired_tiny_floor_*.json
+
+One ``bench_hit_paired.py`` run of a few engines cannot tell 1.03x from 1.07x on this
+machine: its 90% interval is often 15 points wide. Each hit's ratio is over vLLM's own hit
+of the same prompt in the same engine, so engines of runs on different days can be pooled;
+the interval resamples engines, then hits within each (``common.median_interval``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from common import median_interval
+
+
+def engine_groups(result: dict, tier: str, length: str) -> list[list[float]]:
+    """The run's ratios of ``tier`` at ``length``, one list per engine (in run order)."""
+    ratios = result["ratios"].get(tier, {}).get(length, [])
+    engines = len(result["ratio_per_engine"].get(tier, {}).get(length, []))
+    if not ratios or not engines:
+        return []
+    per = len(ratios) // engines
+    return [ratios[i:i + per] for i in range(0, per * engines, per)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", nargs="+", type=Path, help="bench_hit_paired.py JSON files")
+    args = p.parse_args()
+    pooled: dict[tuple[str, int], list[list[float]]] = {}
+    for path in args.results:
+        result = json.loads(path.read_text())
+        if result.get("benchmark") != "hit_paired":
+            raise SystemExit(f"{path}: not a bench_hit_paired.py result")
+        for tier, by_length in result["ratios"].items():
+            for length in by_length:
+                pooled.setdefault((tier, int(length)), []).extend(
+                    engine_groups(result, tier, length))
+    print(f"{'tier':>12} {'tokens':>7} {'engines':>8} {'hits':>5} {'median':>7} "
+          f"{'90% interval':>13}")
+    for (tier, length), groups in sorted(pooled.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        values = [x for g in groups for x in g]
+        lo, hi = median_interval(groups)
+        print(f"{tier:>12} {length:>7} {len(groups):>8} {len(values):>5} "
+              f"{statistics.median(values):>6.3f}x {lo:>6.3f}-{hi:.3f}")
+
+
+if __name__ == "__main__":
+    main()

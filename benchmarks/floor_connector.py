@@ -4,13 +4,12 @@
 the worker's memory, keyed by the prompt's tokens, and on a hit of the same prompt copies
 the blocks back in one slice copy per run of blocks and layer, before the forward pass.
 With ``kv_connector_extra_config: {"redis_url": ...}`` it also writes each prompt to Redis
-as one value (every layer's blocks, from a thread of its own, as kvconnector's puts run), its
-scheduler half knows the
-prompts Redis held when it started (one ``SCAN``, no lookups after), and a hit of one of
-those that it does not hold is one ``GET`` before the forward pass. It has none of what a
-product needs: no chunks (only the same prompt hits), no checks of what
-it loads, no bound on its memory, no tiers, no eviction, no metrics, no tensor parallelism,
-and its scheduler half assumes that every save it asks for happens. What it costs over
+as one value (every layer's blocks, from a thread of its own, as kvconnector's puts run),
+its scheduler half knows the prompts Redis held when it started (one ``SCAN``, no lookups
+after), and a hit of one of those that it does not hold is one ``GET`` before the forward
+pass. It has none of what a product needs: no chunks (only the same prompt hits), no checks
+of what it loads, no bound on its memory, no tiers, no eviction, no metrics, no tensor
+parallelism, and its scheduler half assumes that every save it asks for happens. What it costs over
 vLLM's own prefix-cache hit is what vLLM's connector calls, a lookup and one copy cost any
 connector in this engine on this machine. A request with ``kv_transfer_params:
 {"kvconnector": false}`` opts out of it as of kvconnector (``bench_miss_paired.py --floor``

@@ -205,8 +205,6 @@ def report(args, model: str, lengths: list[int], tiers: list[str],
            engines: list[dict]) -> None:
     loaded = [t for t in tiers if t != "vllm"]
     ratios: dict[str, dict[int, list[float]]] = {t: {n: [] for n in lengths} for t in loaded}
-    per_engine: dict[str, dict[int, list[float]]] = {t: {n: [] for n in lengths}
-                                                     for t in loaded}
     by_engine: dict[str, dict[int, list[list[float]]]] = {t: {n: [] for n in lengths}
                                                           for t in loaded}
     secs: dict[str, dict[int, list[float]]] = {t: {n: [] for n in lengths} for t in tiers}
@@ -224,7 +222,6 @@ def report(args, model: str, lengths: list[int], tiers: list[str],
                     continue  # kvconnector's engines, ExampleConnector's or the floor's
                 mine = [r[t]["s"] / r["vllm"]["s"] for r in recs]
                 ratios[t][n] += mine
-                per_engine[t][n].append(statistics.median(mine))
                 by_engine[t][n].append(mine)
                 for r in recs:
                     for k, v in r[t]["phases"].items():
@@ -236,6 +233,8 @@ def report(args, model: str, lengths: list[int], tiers: list[str],
                         short.append(f"engine {e}, {n} tokens, {t}: {r[t]['cached']} of "
                                      f"{r['vllm']['cached']}")
     med = {t: {n: statistics.median(ratios[t][n]) for n in lengths} for t in loaded}
+    per_engine = {t: {n: [statistics.median(g) for g in by_engine[t][n]] for n in lengths}
+                  for t in loaded}
     interval = {t: {n: median_interval(by_engine[t][n]) for n in lengths} for t in loaded}
     print(f"\na hit against vLLM's own hit of the same prompt in the same engine; {model} "
           f"({args.dtype}), {args.prompts} prompts x {len(per_engine['memory'][lengths[0]])} "

@@ -58,11 +58,23 @@ from common import (
 
 GOAL = 1.03
 KINDS = ("kvconnector", "opted out")
+STAGES = ("submit", "wait", "step", "output")
+
+
+def stages(out, start: float, end: float) -> list[float] | None:
+    """A request's TTFT split at the engine core's timestamps (time.monotonic, one clock
+    for every process here); None without vLLM's request stats."""
+    m = getattr(out, "metrics", None)
+    if m is None or not getattr(m, "first_token_ts", 0.0):
+        return None
+    return [m.queued_ts - start, m.scheduled_ts - m.queued_ts,
+            m.first_token_ts - m.scheduled_ts, end - m.first_token_ts]
 
 
 def run_engine(model: str, args, kvt: dict, lengths: list[int], seed: int,
                vocab: int) -> dict:
-    """Per length and kind, the TTFT of every request but the first of each block."""
+    """Per length and kind, the TTFT of every request but the first of each block (and
+    with ``--stages`` its stages, under ``(kind, "stages")``)."""
     from vllm import SamplingParams
 
     params = {
@@ -71,22 +83,26 @@ def run_engine(model: str, args, kvt: dict, lengths: list[int], seed: int,
                                     extra_args={"kv_transfer_params": {"kvconnector": False}}),
     }
     rng = random.Random(seed)
-    out: dict[int, dict[str, list[float]]] = {}
-    with engine(model, args, kvt, max(lengths) + 16, enable_prefix_caching=True) as llm:
+    out: dict[int, dict[str, list]] = {}
+    extra = {"disable_log_stats": False} if args.stages else {}
+    with engine(model, args, kvt, max(lengths) + 16, enable_prefix_caching=True,
+                **extra) as llm:
         llm.generate([{"prompt_token_ids": random_prompt(rng, 300, vocab)}],
                      params["opted out"], use_tqdm=False)
         for n in lengths:
-            out[n] = {k: [] for k in KINDS}
+            out[n] = {k: [] for k in KINDS} | {f"{k} stages": [] for k in KINDS}
             for pair in range(args.pairs):
                 for kind in (KINDS if pair % 2 == 0 else KINDS[::-1]):
                     for i in range(args.block):
                         prompt = {"prompt_token_ids": random_prompt(rng, n, vocab)}
-                        start = time.perf_counter()
+                        start = time.monotonic()
                         outs = llm.generate([prompt], params[kind], use_tqdm=False)
-                        secs = time.perf_counter() - start
+                        end = time.monotonic()
                         assert (outs[0].num_cached_tokens or 0) == 0, "a new prompt hit a cache"
                         if i:
-                            out[n][kind].append(secs)
+                            out[n][kind].append(end - start)
+                            if (split := stages(outs[0], start, end)) is not None:
+                                out[n][f"{kind} stages"].append(split)
     return out
 
 
@@ -111,6 +127,9 @@ def main() -> None:
     p.add_argument("--floor", action="store_true",
                    help="also engines with floor_connector.py (the least a connector does "
                         "on a miss), memory and, with Redis, memory + Redis")
+    p.add_argument("--stages", action="store_true",
+                   help="split each TTFT at the engine core's timestamps (vLLM's request "
+                        "stats on) and print where a miss's extra time lands")
     p.add_argument("--plot", default=None)
     with redis_for(p.parse_args()) as args, contextlib.ExitStack() as stack:
         args.full_redis_url = None
@@ -157,17 +176,45 @@ def bench(args, disk_path: str | None) -> None:
                  f"{opted[t][n] * 1000:.1f} ms)" for t in tiers]
         print(f"{n:>7} " + " ".join(f"{c:>34}" for c in cells))
     print("(per engine in brackets, then the median TTFT of the requests that opted out)")
+    extra = stage_deltas(runs, lengths) if args.stages else {}
+    if extra:
+        print("\nwhere the extra time lands: median stage of the requests that use kvconnector "
+              "minus that of those that opt out, ms (medians over each tier's engines)")
+        print(f"{'tier':>28} {'tokens':>7} " + " ".join(f"{s:>8}" for s in STAGES))
+        for t, per_n in extra.items():
+            for n, deltas in per_n.items():
+                print(f"{t:>28} {n:>7} " + " ".join(f"{d * 1000:>+8.3f}" for d in deltas))
     out = write_results(args.out, "miss_paired", {
         "model": model, "dtype": args.dtype, "lengths": lengths, "block": args.block,
         "pairs": args.pairs, "engines": args.engines, "order": order,
         "redis_cpus": getattr(args, "redis_cpus_used", None),
-        "full_redis_maxmemory": args.full_redis, "ratio": ratio,
+        "full_redis_maxmemory": args.full_redis, "ratio": ratio, "stage_deltas_s": extra,
         "ratio_per_engine": per_engine, "opted_out_median_s": opted, "ttft_s": runs})
     print(f"results: {out}")
     ratio_plot(args.plot or out.with_suffix(".png"), lengths, ratio, dots=per_engine,
                goals={f"goal ({GOAL}x)": GOAL}, ylabel="miss TTFT / opted out, same engine",
                title=f"Paired misses ({model.rstrip('/').split('/')[-1]}, {args.dtype}); "
                      "dots: engines")
+
+def stage_deltas(runs: dict[str, list[dict]], lengths: list[int]
+                 ) -> dict[str, dict[int, list[float]]]:
+    """Per tier and length, the median (over engines) of each stage's median for the
+    requests that use kvconnector minus that for those that opt out."""
+    out: dict[str, dict[int, list[float]]] = {}
+    for t, engines in runs.items():
+        for n in lengths:
+            per_engine = []
+            for r in engines:
+                use, opt = r[n]["kvconnector stages"], r[n]["opted out stages"]
+                if use and opt:
+                    per_engine.append([statistics.median(u[j] for u in use)
+                                       - statistics.median(o[j] for o in opt)
+                                       for j in range(len(STAGES))])
+            if per_engine:
+                out.setdefault(t, {})[n] = [statistics.median(e[j] for e in per_engine)
+                                            for j in range(len(STAGES))]
+    return out
+
 
 if __name__ == "__main__":
     main()

@@ -123,6 +123,11 @@ class KVConnector(KVConnectorBase_V1):
         assert isinstance(kv_connector_metadata, StepPlan)
         self.worker.handle_preemptions(kv_connector_metadata)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, StepPlan):
+            self._worker.forward_began(connector_metadata)
+
     @_timed
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
@@ -144,6 +149,7 @@ class KVConnector(KVConnectorBase_V1):
 
     @_timed
     def wait_for_save(self) -> None:
+        self.worker.put_gate.forward_ended()
         self.worker.finish_layer_loads()
         plan = self._plan()
         if plan.saves:

@@ -27,7 +27,7 @@ from kvconnector.store import ChunkCorrupt, SlotPool, open_disk, open_redis
 from kvconnector.store.disk_space import disk_capacity
 from kvconnector.store.disk_tier import DiskTier
 from kvconnector.store.memory import host_memory
-from kvconnector.store.tiering import RedisTier
+from kvconnector.store.tiering import RedisTier, StepGate
 from kvconnector.worker_store import WorkerStore
 
 if TYPE_CHECKING:
@@ -35,13 +35,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from kvconnector.kernels.host_transfer import HostTransfer
-
-# A chunk at least this large goes to Redis from a thread on the cores vLLM left spare
-# (CPU build), not the forward's: its copy into socket buffers is then off the forward's
-# core. SmolLM2 (5.6 MiB chunks), 1024-token misses with Redis: 1.073x the requests that
-# opted out with it on the forward's core, 1.019x on the spare core; the tiny model (112
-# KiB chunks): 1.158x and 1.192x (docs/benchmarks.md section 22).
-PUT_ON_SPARE_MIN_BYTES = 1 << 20
 
 logger = logging.getLogger("kvconnector.worker")
 
@@ -75,6 +68,7 @@ class WorkerHalf:
         self.store: WorkerStore | None = None
         self._ratio = 1
         self.redis_tier: RedisTier | None = None
+        self.put_gate = StepGate()  # open while a forward pass runs
         self.disk_tier: DiskTier | None = None
         self._disk_tap = DiskTap()
         self._host_transfer: HostTransfer | None = None
@@ -117,12 +111,13 @@ class WorkerHalf:
                                        self.layout.family, self.fingerprint_fields,
                                        self.blocks_per_chunk, self._kv_events)
         if redis is not None:
+            # CPU build: puts run during forward passes (StepGate), on the cores vLLM left
+            # spare, where only the engine-core process waits meanwhile.
             self.redis_tier = RedisTier(redis, self.pool, self.layout.family,
                                         fingerprint=self.fingerprint_fields,
                                         blocks_per_chunk=self.blocks_per_chunk,
-                                        put_cores=self._spare_cores if
-                                        self.pool.chunk_bytes >= PUT_ON_SPARE_MIN_BYTES
-                                        else None)
+                                        put_cores=self._spare_cores,
+                                        gate=None if self.layers[0].is_cuda else self.put_gate)
         if self.layers[0].is_cuda:
             from kvconnector.kernels.host_transfer import HostTransfer
 
@@ -262,6 +257,10 @@ class WorkerHalf:
         self.ledger.load_failed(t.req_id, t.index, [b for b in t.block_ids if b >= 0],
                                 [t.chunk_hash])
         self.ledger.count(load_errors=1, **{f"load_errors.{reason}": 1})
+
+    def forward_began(self, plan: StepPlan) -> None:
+        if not plan.idle:
+            self.put_gate.forward_began()
 
     # ---- saves ----
     def save(self, transfers: list[ChunkTransfer]) -> None:

@@ -197,6 +197,9 @@ def test_get_finished_waits_only_in_a_step_that_scheduled_nothing():
             asked.append(idle)
             return {"r"} if idle else set()
 
+        def forward_began(self, plan: StepPlan) -> None:  # bind_connector_metadata's call
+            pass
+
     conn = object.__new__(KVConnector)  # the hook alone: no engine behind it
     conn._worker, conn._phases, conn._connector_metadata = Half(), {}, None
     assert conn.get_finished(set()) == (None, None)

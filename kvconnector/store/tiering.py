@@ -110,7 +110,7 @@ class StepGate:
     and schedules the next step on the other. A Redis put there (the put thread, and
     redis-server taking the values in) cost a stream of 1024-token tiny-model misses 2.4
     ms each; held until the next forward pass and run on the spare core, where the
-    engine-core process only waits, 1.0-1.1 ms (docs/benchmarks.md section 33)."""
+    engine-core process only waits, about 1 ms (docs/benchmarks.md section 33)."""
 
     def __init__(self) -> None:
         self._open = False

@@ -74,7 +74,7 @@ def stages(out, start: float, end: float) -> list[float] | None:
 def run_engine(model: str, args, kvt: dict, lengths: list[int], seed: int,
                vocab: int) -> dict:
     """Per length and kind, the TTFT of every request but the first of each block (and
-    with ``--stages`` its stages, under ``(kind, "stages")``)."""
+    with ``--stages`` its stages, under ``f"{kind} stages"``)."""
     from vllm import SamplingParams
 
     params = {
@@ -195,6 +195,7 @@ def bench(args, disk_path: str | None) -> None:
                goals={f"goal ({GOAL}x)": GOAL}, ylabel="miss TTFT / opted out, same engine",
                title=f"Paired misses ({model.rstrip('/').split('/')[-1]}, {args.dtype}); "
                      "dots: engines")
+
 
 def stage_deltas(runs: dict[str, list[dict]], lengths: list[int]
                  ) -> dict[str, dict[int, list[float]]]:

@@ -27,7 +27,7 @@ from kvconnector.store import ChunkCorrupt, SlotPool, open_disk, open_redis
 from kvconnector.store.disk_space import disk_capacity
 from kvconnector.store.disk_tier import DiskTier
 from kvconnector.store.memory import host_memory
-from kvconnector.store.tiering import RedisTier, StepGate
+from kvconnector.store.tiering import RedisTier
 from kvconnector.worker_store import WorkerStore
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class WorkerHalf:
         self.store: WorkerStore | None = None
         self._ratio = 1
         self.redis_tier: RedisTier | None = None
-        self.put_gate = StepGate()  # open while a forward pass runs
+        self.forward_running = threading.Event()  # Redis puts wait for it (tiering.py)
         self.disk_tier: DiskTier | None = None
         self._disk_tap = DiskTap()
         self._host_transfer: HostTransfer | None = None
@@ -111,13 +111,13 @@ class WorkerHalf:
                                        self.layout.family, self.fingerprint_fields,
                                        self.blocks_per_chunk, self._kv_events)
         if redis is not None:
-            # CPU build: puts run during forward passes (StepGate), on the cores vLLM left
-            # spare, where only the engine-core process waits meanwhile.
+            # CPU build: puts run during forward passes (tiering.PUT_HOLD_MAX_S), on the
+            # cores vLLM left spare, where only the engine-core process waits meanwhile.
             self.redis_tier = RedisTier(redis, self.pool, self.layout.family,
                                         fingerprint=self.fingerprint_fields,
                                         blocks_per_chunk=self.blocks_per_chunk,
-                                        put_cores=self._spare_cores,
-                                        gate=None if self.layers[0].is_cuda else self.put_gate)
+                                        put_cores=self._spare_cores, gate=None if
+                                        self.layers[0].is_cuda else self.forward_running)
         if self.layers[0].is_cuda:
             from kvconnector.kernels.host_transfer import HostTransfer
 
@@ -260,7 +260,7 @@ class WorkerHalf:
 
     def forward_began(self, plan: StepPlan) -> None:
         if not plan.idle:
-            self.put_gate.forward_began()
+            self.forward_running.set()
 
     # ---- saves ----
     def save(self, transfers: list[ChunkTransfer]) -> None:

@@ -17,7 +17,7 @@ from redis_server import RedisServer  # noqa: E402
 from kvconnector.keys import ChunkKey  # noqa: E402
 from kvconnector.store import SlotPool  # noqa: E402
 from kvconnector.store.redis_store import RedisStore  # noqa: E402
-from kvconnector.store.tiering import PutQueue, RedisTier, StepGate  # noqa: E402
+from kvconnector.store.tiering import PutQueue, RedisTier  # noqa: E402
 
 KEY = ChunkKey(b"f" * 16, 0, b"h" * 16)
 
@@ -41,26 +41,27 @@ def test_flush_gives_up_on_a_stuck_copy_and_says_so():
 
 
 def test_a_gated_put_waits_for_a_forward_pass_or_its_hold_limit():
-    """Queued between forward passes, a put waits for the next to begin (StepGate), and
-    goes after ``hold_s`` if none does; queued during one, it goes at once."""
+    """Queued between forward passes, a put waits for the next to begin (the worker's
+    ``forward_running`` event), and goes after ``hold_s`` if none does; queued during one,
+    it goes at once."""
     made: list[tuple[int, float]] = []
-    gate = StepGate()
+    gate = threading.Event()
     q = PutQueue("test", lambda chunks: made.extend((s, time.monotonic()) for s, _, _ in chunks),
                  gate=gate, hold_s=5.0)
     q.offload(0, KEY)
     time.sleep(0.2)
     assert made == []  # no forward pass yet: held
     opened = time.monotonic()
-    gate.forward_began()
+    gate.set()
     assert q.flush(5) and [s for s, _ in made] == [0] and made[0][1] >= opened
     q.offload(1, KEY)  # the forward pass still runs: no wait
     assert q.flush(1) and [s for s, _ in made] == [0, 1]
-    gate.forward_ended()
+    gate.clear()
     assert q.close(5)
 
     made.clear()
     q = PutQueue("test", lambda chunks: made.extend((s, time.monotonic()) for s, _, _ in chunks),
-                 gate=StepGate(), hold_s=0.3)
+                 gate=threading.Event(), hold_s=0.3)
     queued = time.monotonic()
     q.offload(2, KEY)
     assert q.flush(5) and [s for s, _ in made] == [2]

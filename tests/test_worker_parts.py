@@ -208,3 +208,19 @@ def test_get_finished_waits_only_in_a_step_that_scheduled_nothing():
     conn.bind_connector_metadata(StepPlan(idle=False))
     assert conn.get_finished(set()) == (None, None)
     assert asked == [False, True, False]
+
+
+def test_only_a_step_that_computes_lets_redis_puts_go():
+    """A bound plan that schedules tokens sets the worker's ``forward_running`` (Redis puts
+    wait for it); an idle step's plan does not."""
+    import threading
+
+    from kvconnector.metadata import StepPlan
+    from kvconnector.worker import WorkerHalf
+
+    half = object.__new__(WorkerHalf)  # the method alone: no engine behind it
+    half.forward_running = threading.Event()
+    half.forward_began(StepPlan(idle=True))
+    assert not half.forward_running.is_set()
+    half.forward_began(StepPlan(idle=False))
+    assert half.forward_running.is_set()

@@ -30,10 +30,15 @@ MAX_QUEUED_PUTS = 256
 MAX_PUT_BATCH = 16  # chunks in one Redis pipeline
 PUT_BATCH_BYTES = 16 << 20  # a batch holds its slots leased until Redis answers
 FLUSH_TIMEOUT_S = 60.0  # flush() is for tests, tools and benchmarks: a stuck write fails them
-# How long a put queued between two forward passes waits for the next one (StepGate). Longer
-# than the gap between a request's forward pass and the next request's in a stream of
-# misses (5-8 ms for the tiny model on 2 cores); an engine with nothing more to compute
-# gets its puts after this.
+# A Redis put on the CPU build waits for a forward pass to run (the worker's
+# ``forward_running`` event), at most this long. Between forward passes both cores of a
+# small machine are on the request's path: the worker finishes its step on one, vLLM's
+# engine-core process hands the output over and schedules the next step on the other. A
+# put there (the put thread, and redis-server taking the values in) cost a stream of
+# 1024-token tiny-model misses 2.4 ms each; held for the next forward pass and run on the
+# spare core, where the engine-core process only waits, about 1 ms (docs/benchmarks.md
+# section 33). Longer than the gap between two requests' forward passes in such a stream
+# (5-8 ms); an engine with nothing more to compute gets its puts after this.
 PUT_HOLD_MAX_S = 0.02
 
 Chunk = tuple[int, ChunkKey, int]  # (slot, key, blocks of a partial chunk or 0)
@@ -101,47 +106,17 @@ class LowerTier(Protocol):
     def close(self, timeout_s: float) -> None: ...
 
 
-class StepGate:
-    """Open while the worker runs a forward pass. A put queued between two of them (a
-    step's saves are sealed right after its forward pass) waits for the next to begin.
-
-    Between forward passes both cores of a small CPU machine are on the request's path:
-    the worker finishes its step on one, vLLM's engine-core process hands the output over
-    and schedules the next step on the other. A Redis put there (the put thread, and
-    redis-server taking the values in) cost a stream of 1024-token tiny-model misses 2.4
-    ms each; held until the next forward pass and run on the spare core, where the
-    engine-core process only waits, about 1 ms (docs/benchmarks.md section 33)."""
-
-    def __init__(self) -> None:
-        self._open = False
-        self._change = threading.Condition()
-
-    def forward_began(self) -> None:
-        with self._change:
-            self._open = True
-            self._change.notify_all()
-
-    def forward_ended(self) -> None:
-        with self._change:
-            self._open = False
-
-    def wait(self, timeout_s: float) -> bool:
-        """Wait until a forward pass runs, at most ``timeout_s``; True if one does."""
-        with self._change:
-            return self._change.wait_for(lambda: self._open, timeout_s)
-
-
 class PutQueue:
     """Sealed slots waiting for their copy to a tier, taken by ``threads`` background
     threads, each taking up to ``batch`` of those queued at once (``put`` gets a list). A
     full queue drops the copy (a later miss), as does a stopping engine. ``first`` runs on
     one thread before any copy (the disk tier's scan). With a ``gate``, a batch waits for
-    it to open, at most ``hold_s``."""
+    it to be set, at most ``hold_s``."""
 
     def __init__(self, name: str, put: Callable[[list[Chunk]], None], threads: int = 1,
                  first: Callable[[], None] | None = None,
                  max_queued: int = MAX_QUEUED_PUTS, batch: int = 1,
-                 cores: set[int] | None = None, gate: StepGate | None = None,
+                 cores: set[int] | None = None, gate: threading.Event | None = None,
                  hold_s: float = PUT_HOLD_MAX_S) -> None:
         self.name = name
         self.batch = max(1, batch)
@@ -258,7 +233,8 @@ class RedisTier:
 
     def __init__(self, redis: RedisStore, pool: SlotPool, layout_name: str,
                  fingerprint: Fingerprint | None = None, blocks_per_chunk: int = 1,
-                 put_cores: set[int] | None = None, gate: StepGate | None = None) -> None:
+                 put_cores: set[int] | None = None,
+                 gate: threading.Event | None = None) -> None:
         self.redis = redis
         self.pool = pool
         self.bytes = SlotBytes(pool, layout_name, blocks_per_chunk)

@@ -27,7 +27,7 @@ from kvconnector.store import ChunkCorrupt, SlotPool, open_disk, open_redis
 from kvconnector.store.disk_space import disk_capacity
 from kvconnector.store.disk_tier import DiskTier
 from kvconnector.store.memory import host_memory
-from kvconnector.store.tiering import RedisTier
+from kvconnector.store.tiering import PutPlacement, RedisTier
 from kvconnector.worker_store import WorkerStore
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class WorkerHalf:
         self.store: WorkerStore | None = None
         self._ratio = 1
         self.redis_tier: RedisTier | None = None
-        self.forward_running = threading.Event()  # Redis puts wait for it (tiering.py)
+        self.forward_running = threading.Event()  # Redis and disk puts wait for it
         self.disk_tier: DiskTier | None = None
         self._disk_tap = DiskTap()
         self._host_transfer: HostTransfer | None = None
@@ -106,18 +106,16 @@ class WorkerHalf:
         redis = open_redis(self.config)
         self.pool = SlotPool(self.num_slots, shape, self.layout.dtype,
                              checksums=redis is not None)
+        puts = PutPlacement.for_worker(self._spare_cores, self.forward_running,
+                                       self.layers[0].is_cuda)
         if self.config.disk_path:
             self.disk_tier = open_disk(self.config, self.disk_capacity, self.pool,
                                        self.layout.family, self.fingerprint_fields,
-                                       self.blocks_per_chunk, self._kv_events)
+                                       self.blocks_per_chunk, self._kv_events, puts)
         if redis is not None:
-            # CPU build: puts run during forward passes (tiering.PUT_HOLD_MAX_S), on the
-            # cores vLLM left spare, where only the engine-core process waits meanwhile.
             self.redis_tier = RedisTier(redis, self.pool, self.layout.family,
                                         fingerprint=self.fingerprint_fields,
-                                        blocks_per_chunk=self.blocks_per_chunk,
-                                        put_cores=self._spare_cores, gate=None if
-                                        self.layers[0].is_cuda else self.forward_running)
+                                        blocks_per_chunk=self.blocks_per_chunk, placement=puts)
         if self.layers[0].is_cuda:
             from kvconnector.kernels.host_transfer import HostTransfer
 

@@ -24,6 +24,7 @@ from kvconnector.store.disk_files import HEAD_BYTES, chunk_path, file_size
 from kvconnector.store.disk_space import STALE_TEMP_S, USAGE_FILE, DiskSpace, read_usage
 from kvconnector.store.disk_tier import DiskTier
 from kvconnector.store.memory import ChunkCorrupt, SlotPool
+from kvconnector.store.tiering import PutPlacement
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = (2, 64, 8)  # 1024 fp32 elements: 4 KiB a chunk
@@ -64,6 +65,27 @@ def tier(tmp_path, pool):
     t = DiskTier(tmp_path / "kv", 10 * FILE, pool, "kv")
     yield t
     t.close(1.0)
+
+
+def test_disk_writes_wait_for_a_forward_pass_as_the_worker_places_them(tmp_path, pool):
+    """On the CPU build a worker's disk writes, like its Redis puts, wait for its
+    ``forward_running`` event (tiering.PUT_HOLD_MAX_S); on CUDA they do not wait."""
+    forward_running = threading.Event()
+    placement = PutPlacement.for_worker(None, forward_running, cuda=False)
+    assert placement.gate is forward_running
+    assert PutPlacement.for_worker(None, forward_running, cuda=True).gate is None
+    t = DiskTier(tmp_path / "kv", 10 * FILE, pool, "kv",
+                 placement=PutPlacement(gate=forward_running, hold_s=5.0))
+    try:
+        fill(pool, 0, key(1), 0.5)
+        t.offload(0, key(1), 0)
+        time.sleep(0.3)
+        assert t.snapshot()["puts"] == 0 and t.queued == 1  # between forward passes: held
+        forward_running.set()
+        assert t.flush(5) and t.snapshot()["puts"] == 1
+        assert t.fetch([(1, key(1), 0)]) == [True]
+    finally:
+        t.close(1.0)
 
 
 def test_a_written_chunk_reads_back_into_another_slot(tier, pool, tmp_path):

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from kvconnector.store.memory import ChunkCorrupt, MemoryIndex, SlotPool
     from kvconnector.store.redis_mirror import RedisKeyMirror
     from kvconnector.store.redis_store import RedisStore
+    from kvconnector.store.tiering import PutPlacement
 
 __all__ = ["ChunkCorrupt", "MemoryIndex", "SlotPool", "open_disk", "open_mirror", "open_redis"]
 
@@ -71,9 +72,10 @@ def open_mirror(config: ConnectorConfig, store: RedisStore,
 
 
 def open_disk(config: ConnectorConfig, capacity: int, pool: SlotPool, layout_name: str,
-              fingerprint: Fingerprint, blocks_per_chunk: int,
-              track_gone: bool = False) -> DiskTier:
-    """This worker's disk tier (``config.disk_path``, checked at start-up)."""
+              fingerprint: Fingerprint, blocks_per_chunk: int, track_gone: bool,
+              placement: PutPlacement) -> DiskTier:
+    """This worker's disk tier (``config.disk_path``, checked at start-up); its writes run
+    as ``placement`` says."""
     from kvconnector.store import codec
     from kvconnector.store.disk_tier import DiskTier
 
@@ -83,4 +85,4 @@ def open_disk(config: ConnectorConfig, capacity: int, pool: SlotPool, layout_nam
                     mac_key=codec.mac_key(secret) if secret is not None else None,
                     direct_io=config.disk_direct_io, write_threads=config.disk_write_threads,
                     fingerprint=fingerprint, blocks_per_chunk=blocks_per_chunk,
-                    track_gone=track_gone)
+                    track_gone=track_gone, placement=placement)

@@ -25,7 +25,14 @@ from kvconnector.store.codec import REASONS, ExpectedChunk, checksum
 from kvconnector.store.disk_files import FULL_ERRNOS, DiskFiles, descriptor_path, file_size
 from kvconnector.store.disk_space import DiskSpace
 from kvconnector.store.memory import SlotPool
-from kvconnector.store.tiering import FLUSH_TIMEOUT_S, Chunk, PutQueue, SlotBytes
+from kvconnector.store.tiering import (
+    AT_ONCE,
+    FLUSH_TIMEOUT_S,
+    Chunk,
+    PutPlacement,
+    PutQueue,
+    SlotBytes,
+)
 
 logger = logging.getLogger("kvconnector.store.disk")
 
@@ -56,7 +63,8 @@ class DiskTier:
     def __init__(self, root: str | Path, capacity: int, pool: SlotPool, layout_name: str, *,
                  mac_key: bytes | None = None, direct_io: bool = True,
                  write_threads: int = 1, fingerprint: Fingerprint | None = None,
-                 blocks_per_chunk: int = 1, track_gone: bool = False) -> None:
+                 blocks_per_chunk: int = 1, track_gone: bool = False,
+                 placement: PutPlacement = AT_ONCE) -> None:
         self.files = DiskFiles(root, mac_key=mac_key, direct_io=direct_io)
         self.space = DiskSpace(root, capacity, self._evicted if track_gone else None)
         # With track_gone (KV events): chunks of this engine that left the disk or never
@@ -73,10 +81,8 @@ class DiskTier:
         self.scan_result = None
         self._fingerprint = fingerprint
         self._readers: ThreadPoolExecutor | None = None  # started by the first fetch of several
-        # Not on the spare core, as large Redis writes are: there, with vLLM's engine-core
-        # process, a tiny model's 1024-token miss took 1.24x the opted-out requests against
-        # 1.15x where the worker starts them (docs/benchmarks.md section 25).
-        self._puts = PutQueue("disk", self._put_each, threads=write_threads, first=self._scan)
+        self._puts = PutQueue("disk", self._put_each, threads=write_threads, first=self._scan,
+                              placement=placement)
 
     def expected(self, key: ChunkKey, blocks: int = 0) -> ExpectedChunk:
         return self.bytes.expected(key, blocks)

@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -30,18 +31,39 @@ MAX_QUEUED_PUTS = 256
 MAX_PUT_BATCH = 16  # chunks in one Redis pipeline
 PUT_BATCH_BYTES = 16 << 20  # a batch holds its slots leased until Redis answers
 FLUSH_TIMEOUT_S = 60.0  # flush() is for tests, tools and benchmarks: a stuck write fails them
-# A Redis put on the CPU build waits for a forward pass to run (the worker's
-# ``forward_running`` event), at most this long. Between forward passes both cores of a
-# small machine are on the request's path: the worker finishes its step on one, vLLM's
-# engine-core process hands the output over and schedules the next step on the other. A
-# put there (the put thread, and redis-server taking the values in) cost a stream of
-# 1024-token tiny-model misses 2.4 ms each; held for the next forward pass and run on the
-# spare core, where the engine-core process only waits, about 1 ms (docs/benchmarks.md
-# section 33). Longer than the gap between two requests' forward passes in such a stream
-# (5-8 ms); an engine with nothing more to compute gets its puts after this.
+# On the CPU build a put to Redis or disk waits for a forward pass to run (the worker's
+# ``forward_running`` event), at most this long, and runs on the cores vLLM left spare.
+# Between forward passes both cores of a small machine are on the request's path: the
+# worker finishes its step on one, vLLM's engine-core process hands the output over and
+# schedules the next step on the other. A Redis put there (the put thread, and
+# redis-server taking the values in) cost a stream of 1024-token tiny-model misses 2.4 ms
+# each; held for the next forward pass and run on the spare core, where the engine-core
+# process only waits, about 1 ms (docs/benchmarks.md section 33); a disk write 1.5 ms
+# against 1.1 ms (section 34). Either change alone made misses slower. Longer than the gap
+# between two requests' forward passes in such a stream (5-8 ms); an engine with nothing
+# more to compute gets its puts after this.
 PUT_HOLD_MAX_S = 0.02
 
 Chunk = tuple[int, ChunkKey, int]  # (slot, key, blocks of a partial chunk or 0)
+
+
+@dataclass(frozen=True)
+class PutPlacement:
+    """Where and when a tier's puts run: on ``cores`` (None: wherever the thread starting
+    them runs), and with a ``gate`` once it is set, at most ``hold_s`` later."""
+
+    cores: set[int] | None = None
+    gate: threading.Event | None = None
+    hold_s: float = PUT_HOLD_MAX_S
+
+    @staticmethod
+    def for_worker(spare_cores: set[int] | None, forward_running: threading.Event,
+                   cuda: bool) -> PutPlacement:
+        """A worker's: on the spare cores, held for a forward pass on the CPU build."""
+        return PutPlacement(spare_cores, None if cuda else forward_running)
+
+
+AT_ONCE = PutPlacement()  # a put goes when queued, from wherever (tests and tools)
 
 
 class SlotBytes:
@@ -110,18 +132,17 @@ class PutQueue:
     """Sealed slots waiting for their copy to a tier, taken by ``threads`` background
     threads, each taking up to ``batch`` of those queued at once (``put`` gets a list). A
     full queue drops the copy (a later miss), as does a stopping engine. ``first`` runs on
-    one thread before any copy (the disk tier's scan). With a ``gate``, a batch waits for
-    it to be set, at most ``hold_s``."""
+    one thread before any copy (the disk tier's scan). ``placement``: the threads' cores,
+    and the gate a batch waits for."""
 
     def __init__(self, name: str, put: Callable[[list[Chunk]], None], threads: int = 1,
                  first: Callable[[], None] | None = None,
                  max_queued: int = MAX_QUEUED_PUTS, batch: int = 1,
-                 cores: set[int] | None = None, gate: threading.Event | None = None,
-                 hold_s: float = PUT_HOLD_MAX_S) -> None:
+                 placement: PutPlacement = AT_ONCE) -> None:
         self.name = name
         self.batch = max(1, batch)
-        self._gate = gate
-        self._hold_s = hold_s
+        self._gate = placement.gate
+        self._hold_s = placement.hold_s
         self.dropped = 0
         self.busy_seconds = 0.0  # time spent making copies, all threads (phase timers)
         self._put = put
@@ -130,7 +151,8 @@ class PutQueue:
         if first is None:
             self._ready.set()
         self._threads = [start_thread(f"kvconnector-{name}-put",
-                                      lambda f=first if i == 0 else None: self._loop(f), cores)
+                                      lambda f=first if i == 0 else None: self._loop(f),
+                                      placement.cores)
                          for i in range(threads)]
 
     def offload(self, slot: int, key: ChunkKey, blocks: int = 0) -> None:
@@ -233,8 +255,7 @@ class RedisTier:
 
     def __init__(self, redis: RedisStore, pool: SlotPool, layout_name: str,
                  fingerprint: Fingerprint | None = None, blocks_per_chunk: int = 1,
-                 put_cores: set[int] | None = None,
-                 gate: threading.Event | None = None) -> None:
+                 placement: PutPlacement = AT_ONCE) -> None:
         self.redis = redis
         self.pool = pool
         self.bytes = SlotBytes(pool, layout_name, blocks_per_chunk)
@@ -247,7 +268,7 @@ class RedisTier:
         # each round trip also costs the forward a hand-over of the GIL and the core.
         self._puts = PutQueue("redis", self._put,
                               batch=max(1, min(MAX_PUT_BATCH, PUT_BATCH_BYTES // pool.chunk_bytes)),
-                              cores=put_cores, gate=gate)
+                              placement=placement)
 
     def expected(self, key: ChunkKey, blocks: int = 0) -> ExpectedChunk:
         return self.bytes.expected(key, blocks)

@@ -280,7 +280,20 @@ def machine() -> dict:
         pass
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
+    info.update(_cpu_model())
     return info
+
+
+def _cpu_model() -> dict:
+    """The CPU's name and whether it has AMX: shared VMs here change hosts, and a bf16
+    model's prefill ran 4.4x slower on one without AMX (docs/benchmarks.md section 34)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    names = [line.split(":", 1)[1].strip() for line in text.splitlines()
+             if line.startswith("model name")]
+    return {"cpu_model": names[0] if names else "", "amx": " amx_bf16" in text}
 
 
 def pyplot():

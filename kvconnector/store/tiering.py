@@ -38,8 +38,8 @@ FLUSH_TIMEOUT_S = 60.0  # flush() is for tests, tools and benchmarks: a stuck wr
 # schedules the next step on the other. A Redis put there (the put thread, and
 # redis-server taking the values in) cost a stream of 1024-token tiny-model misses 2.4 ms
 # each; held for the next forward pass and run on the spare core, where the engine-core
-# process only waits, about 1 ms (docs/benchmarks.md section 33); a disk write about
-# 1.5 ms against 0.9-1.2 ms (section 34). Either change alone made misses slower.
+# process only waits, about 1 ms (docs/benchmarks.md section 33); disk writes 1.4-1.6 ms
+# written at once, 0.9-1.2 ms held (section 34). Either change alone made misses slower.
 # Longer than the gap between two requests' forward passes in such a stream (5-8 ms); an
 # engine with nothing more to compute gets its puts after this.
 PUT_HOLD_MAX_S = 0.02

@@ -88,6 +88,24 @@ def test_disk_writes_wait_for_a_forward_pass_as_the_worker_places_them(tmp_path,
         t.close(1.0)
 
 
+def test_a_held_write_whose_slot_was_reused_is_reported_not_written(tmp_path, pool):
+    """A write held for a forward pass finds its slot sealed under another chunk: nothing
+    is written, and with KV events the chunk is reported as not on disk."""
+    gate = threading.Event()
+    t = DiskTier(tmp_path / "kv", 10 * FILE, pool, "kv", track_gone=True,
+                 placement=PutPlacement(gate=gate, hold_s=5.0))
+    try:
+        fill(pool, 0, key(1), 0.5)
+        t.offload(0, key(1), 0)
+        fill(pool, 0, key(2), 1.5)  # reused while the write waits
+        gate.set()
+        assert t.flush(5)
+        assert t.snapshot()["puts"] == 0 and files(tmp_path / "kv") == []
+        assert t.take_gone() == {key(1).chunk_hash}
+    finally:
+        t.close(1.0)
+
+
 def test_a_written_chunk_reads_back_into_another_slot(tier, pool, tmp_path):
     stored(tier, pool, {1: 0.5})
     path = chunk_path(tmp_path / "kv", key(1))

@@ -210,9 +210,9 @@ def test_get_finished_waits_only_in_a_step_that_scheduled_nothing():
     assert asked == [False, True, False]
 
 
-def test_only_a_step_that_computes_lets_redis_puts_go():
+def test_only_a_step_that_computes_lets_held_puts_go():
     """A bound plan that schedules tokens sets the worker's ``forward_running`` (Redis puts
-    wait for it); an idle step's plan does not."""
+    and disk writes wait for it); an idle step's plan does not."""
     import threading
 
     from kvconnector.metadata import StepPlan

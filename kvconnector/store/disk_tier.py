@@ -186,8 +186,10 @@ class DiskTier:
             self._not_written(key)
             return
         header = self.pool.lease(slot, key)
-        if header is None:
-            return  # the slot was reused before its turn came
+        if header is None:  # the slot was reused before its turn came (a held write)
+            if not self.files.path(key).exists():
+                self._not_written(key)
+            return
         try:
             payload, xxh3 = self.bytes.to_send(slot, blocks, header.checksum)
             self._write(key, payload, xxh3, blocks)

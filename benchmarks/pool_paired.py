@@ -1,11 +1,17 @@
-"""Paired hit runs pooled: the median ratio over every engine of several result files.
+"""Paired runs pooled: the median ratio over every engine of several result files.
 
     python benchmarks/pool_paired.py docs/results/hit_paired_tiny_floor_*.json
+    python benchmarks/pool_paired.py docs/results/miss_paired_tiny_disk_gate*.json
 
 One ``bench_hit_paired.py`` run of a few engines cannot tell 1.03x from 1.07x on this
 machine: its 90% interval is often 15 points wide. Each hit's ratio is over vLLM's own hit
 of the same prompt in the same engine, so engines of runs on different days can be pooled;
 the interval resamples engines, then hits within each (``common.median_interval``).
+
+``bench_miss_paired.py`` runs pool the same way. A miss is not paired with one request that
+opts out, so each miss's ratio is over the median of its engine's requests that opted out
+at that length; the interval then leaves out how much that median itself varies, and is
+somewhat narrower than it should be.
 """
 
 from __future__ import annotations
@@ -28,26 +34,47 @@ def engine_groups(result: dict, tier: str, length: str) -> list[list[float]]:
     return [ratios[i:i + per] for i in range(0, per * engines, per)]
 
 
+def miss_groups(result: dict, tier: str, length: str) -> list[list[float]]:
+    """Each engine's misses of ``tier`` at ``length``, over the engine's median request that
+    opted out."""
+    groups = []
+    for engine in result["ttft_s"].get(tier, []):
+        times = engine.get(length)
+        if times and times["kvconnector"] and times["opted out"]:
+            base = statistics.median(times["opted out"])
+            groups.append([t / base for t in times["kvconnector"]])
+    return groups
+
+
+def pooled_groups(path: Path) -> dict[tuple[str, int], list[list[float]]]:
+    result = json.loads(path.read_text())
+    kind = result.get("benchmark")
+    if kind == "hit_paired":
+        return {(tier, int(length)): engine_groups(result, tier, length)
+                for tier, by_length in result["ratios"].items() for length in by_length}
+    if kind == "miss_paired":
+        return {(tier, int(length)): miss_groups(result, tier, length)
+                for tier, engines in result["ttft_s"].items()
+                for length in (engines[0] if engines else {})}
+    raise SystemExit(f"{path}: not a bench_hit_paired.py or bench_miss_paired.py result")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("results", nargs="+", type=Path, help="bench_hit_paired.py JSON files")
+    p.add_argument("results", nargs="+", type=Path,
+                   help="bench_hit_paired.py or bench_miss_paired.py JSON files")
     args = p.parse_args()
     pooled: dict[tuple[str, int], list[list[float]]] = {}
     for path in args.results:
-        result = json.loads(path.read_text())
-        if result.get("benchmark") != "hit_paired":
-            raise SystemExit(f"{path}: not a bench_hit_paired.py result")
-        for tier, by_length in result["ratios"].items():
-            for length in by_length:
-                pooled.setdefault((tier, int(length)), []).extend(
-                    engine_groups(result, tier, length))
-    print(f"{'tier':>12} {'tokens':>7} {'engines':>8} {'hits':>5} {'median':>7} "
+        for where, groups in pooled_groups(path).items():
+            pooled.setdefault(where, []).extend(groups)
+    print(f"{'tier':>26} {'tokens':>7} {'engines':>8} {'values':>6} {'median':>7} "
           f"{'90% interval':>13}")
     for (tier, length), groups in sorted(pooled.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         values = [x for g in groups for x in g]
         lo, hi = median_interval(groups)
-        print(f"{tier:>12} {length:>7} {len(groups):>8} {len(values):>5} "
+        print(f"{tier:>26} {length:>7} {len(groups):>8} {len(values):>6} "
               f"{statistics.median(values):>6.3f}x {lo:>6.3f}-{hi:.3f}")
 
 

@@ -60,24 +60,32 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out as the source of outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(cluster: bool = False, avoid: Collection[int] = ()) -> int:
-    """A free TCP port on 127.0.0.1, not in ``avoid`` (ports picked but not yet bound). A
-    cluster node also needs port + 10000 (its bus) free, so its port is at most 55535."""
-    if not cluster:
-        for _ in range(100):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            if port not in avoid:
-                return port
-        raise RuntimeError("no free port")
+    """A free TCP port on 127.0.0.1, not in ``avoid`` (ports picked but not yet bound), below
+    the kernel's ephemeral range: a port from that range can become the source port of any
+    outgoing connection before the server binds it (in CI a redis-server a test started
+    after its engine found its port taken). A cluster node also needs port + 10000 (its
+    bus) free and below that range."""
+    bus = 10000 if cluster else 0
+    top = _ephemeral_low() - 1 - bus
+    if top <= 10000:
+        raise RuntimeError(f"no ports below the ephemeral range to pick from (top {top})")
     rng = random.Random()
-    taken = {q for p in avoid for q in (p - 10000, p, p + 10000)}
+    taken = {q for p in avoid for q in (p - bus, p, p + bus)}
     for _ in range(1000):
-        port = rng.randint(20000, 55535)
-        if port not in taken and _bindable(port) and _bindable(port + 10000):
+        port = rng.randint(10000, top)
+        if port not in taken and _bindable(port) and (not bus or _bindable(port + bus)):
             return port
-    raise RuntimeError("no free port pair for a cluster node")
+    raise RuntimeError("no free port" + (" pair for a cluster node" if bus else ""))
 
 
 def server_version(binary: str | None = None) -> tuple[int, ...]:

@@ -2,6 +2,7 @@
 
     python benchmarks/pool_paired.py docs/results/hit_paired_tiny_floor_*.json
     python benchmarks/pool_paired.py docs/results/miss_paired_tiny_disk_gate*.json
+    python benchmarks/pool_paired.py docs/results/load_paired_tiny_35*.json
 
 One ``bench_hit_paired.py`` run of a few engines cannot tell 1.03x from 1.07x on this
 machine: its 90% interval is often 15 points wide. Each hit's ratio is over vLLM's own hit
@@ -12,6 +13,10 @@ the interval resamples engines, then hits within each (``common.median_interval`
 opts out, so each miss's ratio is over the median of its engine's requests that opted out
 at that length; the interval then leaves out how much that median itself varies, and is
 somewhat narrower than it should be.
+
+``bench_load_paired.py`` runs pool as misses do, with throughput turned over: each round that
+used kvconnector gives its engine's median rate of the rounds that opted out over its own
+rate (above 1: the connector is slower), listed at its prompt length.
 """
 
 from __future__ import annotations
@@ -46,6 +51,18 @@ def miss_groups(result: dict, tier: str, length: str) -> list[list[float]]:
     return groups
 
 
+def load_groups(result: dict, tier: str) -> list[list[float]]:
+    """Each engine's rounds of ``tier`` that used kvconnector: the engine's median rate of
+    the rounds that opted out over the round's rate."""
+    groups = []
+    for engine in result["runs"].get(tier, []):
+        rates = engine["rates"]
+        if rates["kvconnector"] and rates["opted out"]:
+            base = statistics.median(rates["opted out"])
+            groups.append([base / r for r in rates["kvconnector"]])
+    return groups
+
+
 def pooled_groups(path: Path) -> dict[tuple[str, int], list[list[float]]]:
     result = json.loads(path.read_text())
     kind = result.get("benchmark")
@@ -56,14 +73,19 @@ def pooled_groups(path: Path) -> dict[tuple[str, int], list[list[float]]]:
         return {(tier, int(length)): miss_groups(result, tier, length)
                 for tier, engines in result["ttft_s"].items()
                 for length in (engines[0] if engines else {})}
-    raise SystemExit(f"{path}: not a bench_hit_paired.py or bench_miss_paired.py result")
+    if kind == "load_paired":
+        return {(f"{tier} (load)", int(result["prompt_tokens"])): load_groups(result, tier)
+                for tier in result["runs"]}
+    raise SystemExit(f"{path}: not a bench_hit_paired.py, bench_miss_paired.py or "
+                     "bench_load_paired.py result")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", type=Path,
-                   help="bench_hit_paired.py or bench_miss_paired.py JSON files")
+                   help="bench_hit_paired.py, bench_miss_paired.py or bench_load_paired.py "
+                        "JSON files")
     args = p.parse_args()
     pooled: dict[tuple[str, int], list[list[float]]] = {}
     for path in args.results:

@@ -21,7 +21,8 @@ halves, so it does not show here; ``bench_miss.py`` measures it between engines
 
 ``--full-redis 256mb`` adds a tier with a second local Redis that evicts beyond that size
 and is filled to it before each engine (``common.fill_to_maxmemory``): a Redis cache that
-has run for a while, against the first one, which grows through the run.
+has run for a while, against the first one, which grows through the run. With
+``--key-mirror`` that Redis is also a tier with the key mirror.
 
 ``--floor`` adds engines with ``floor_connector.py`` (memory, and memory + Redis with a Redis
 tier): the least a connector can do on a miss (every layer's blocks copied once after the
@@ -157,7 +158,7 @@ def bench(args, disk_path: str | None) -> None:
     order = rotated_order(list(tiers), args.engines)
     runs: dict[str, list[dict]] = {t: [] for t in tiers}
     for i, tier in enumerate(tqdm(order, desc="engines")):
-        if tier == "memory + full Redis":
+        if tier.startswith("memory + full Redis"):
             fill_to_maxmemory(args.full_redis_url, chunk_bytes(model, args.dtype))
         runs[tier].append(in_fresh_process(run_engine, model, args, tiers[tier], lengths,
                                            2000 + i, vocab))

@@ -179,7 +179,8 @@ def tier_connectors(args, disk_path: str | None,
                     full_redis_url: str | None = None) -> dict[str, dict]:
     """kvconnector's configuration for each tier a miss benchmark compares: memory, then
     memory + Redis (``args.redis_url``; with ``args.key_mirror`` also the same with the
-    scheduler's key mirror), memory + a full Redis, memory + disk."""
+    scheduler's key mirror), memory + a full Redis (with ``args.key_mirror`` also with the
+    mirror), memory + disk."""
     extra = {"memory_capacity": args.memory_capacity}
     tiers = {"memory": connector(extra)}
     if args.redis_url:
@@ -189,6 +190,9 @@ def tier_connectors(args, disk_path: str | None,
                 {**extra, "redis_url": args.redis_url, "redis_key_mirror": True})
     if full_redis_url:
         tiers["memory + full Redis"] = connector({**extra, "redis_url": full_redis_url})
+        if getattr(args, "key_mirror", False):
+            tiers["memory + full Redis, key mirror"] = connector(
+                {**extra, "redis_url": full_redis_url, "redis_key_mirror": True})
     if disk_path is not None:
         tiers["memory + disk"] = connector({**extra, "disk_path": disk_path})
     return tiers

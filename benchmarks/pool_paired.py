@@ -2,7 +2,7 @@
 
     python benchmarks/pool_paired.py docs/results/hit_paired_tiny_floor_*.json
     python benchmarks/pool_paired.py docs/results/miss_paired_tiny_disk_gate*.json
-    python benchmarks/pool_paired.py docs/results/load_paired_tiny_35*.json
+    python benchmarks/pool_paired.py docs/results/load_paired_tiny_36*.json
 
 One ``bench_hit_paired.py`` run of a few engines cannot tell 1.03x from 1.07x on this
 machine: its 90% interval is often 15 points wide. Each hit's ratio is over vLLM's own hit
@@ -16,7 +16,8 @@ somewhat narrower than it should be.
 
 ``bench_load_paired.py`` runs pool as misses do, with throughput turned over: each round that
 used kvconnector gives its engine's median rate of the rounds that opted out over its own
-rate (above 1: the connector is slower), listed at its prompt length.
+rate (above 1: the connector is slower), listed at its prompt length. Its interval is
+somewhat too narrow for the same reason.
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ One thread, first in first out, so two jobs touching one slot always run in the 
 scheduler planned them. The worker asks it to wait only where vLLM is about to reuse memory a
 job still reads (a preempted request's blocks) or where the main thread reads a slot a job is
 still writing.
+
+With a ``saves`` placement (the CPU build) a save is held until the next forward pass
+begins and runs on the placement's cores (placement.py). Whatever must not wait for it lets
+it go at once: a job that is not a save queued behind it, a wait for its slots or requests,
+a drain.
 """
 
 from __future__ import annotations
@@ -15,22 +20,32 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, wait
 
 from kvconnector import threads
+from kvconnector.placement import AT_ONCE, WritePlacement
 
 logger = logging.getLogger("kvconnector.background")
 
 
 class CopyThread:
-    def __init__(self) -> None:
+    def __init__(self, saves: WritePlacement = AT_ONCE) -> None:
         self._executor = threads.pool("kvconnector-copy")
+        self._saves = saves
+        self._held = 0  # saves queued that have not started
         self._lock = threading.Lock()
         self._by_slot: dict[int, Future[None]] = {}  # the last job touching each slot
         self._by_request: dict[str, set[Future[None]]] = {}
         self.busy_seconds = 0.0  # time the thread spent running jobs (phase timers)
 
     def submit(self, job: Callable[[], None], req_ids: Iterable[str],
-               slots: Iterable[int]) -> None:
-        """Run ``job`` after every job submitted before it. It must not raise: a failed copy
-        is a cache miss, which the job itself reports."""
+               slots: Iterable[int], save: bool = False) -> None:
+        """Run ``job`` after every job submitted before it; a ``save`` as the ``saves``
+        placement says. It must not raise: a failed copy is a cache miss, which the job
+        itself reports."""
+        if save and self._saves.gate is not None:
+            with self._lock:
+                self._held += 1
+            job = self._placed(job, time.monotonic() + self._saves.hold_s)
+        else:
+            self.release()
         future = self._executor.submit(self._timed, job)
         req_ids, slots = set(req_ids), [s for s in slots if s >= 0]
         with self._lock:
@@ -39,6 +54,24 @@ class CopyThread:
             for r in req_ids:
                 self._by_request.setdefault(r, set()).add(future)
         future.add_done_callback(lambda f: self._forget(f, req_ids, slots))
+
+    def release(self) -> None:
+        """Held saves go now: the gate, if one waits for it, opens (until its owner closes
+        it). It lets the tiers' held puts go too, as a forward pass would."""
+        if self._held and self._saves.gate is not None:
+            self._saves.gate.set()
+
+    def _placed(self, job: Callable[[], None], deadline: float) -> Callable[[], None]:
+        def run() -> None:
+            assert self._saves.gate is not None
+            try:
+                self._saves.gate.wait(max(0.0, deadline - time.monotonic()))
+            finally:
+                with self._lock:
+                    self._held -= 1
+            with threads.on_cores(self._saves.cores):
+                job()
+        return run
 
     def _timed(self, job: Callable[[], None]) -> None:
         start = time.perf_counter()
@@ -66,12 +99,14 @@ class CopyThread:
             return req_id in self._by_request
 
     def wait_for_slots(self, slots: Iterable[int]) -> None:
+        self.release()
         with self._lock:
             futures = [f for s in slots if (f := self._by_slot.get(s)) is not None]
         for f in futures:
             f.exception()  # waits; failures were logged by _forget
 
     def wait_for_requests(self, req_ids: Iterable[str]) -> None:
+        self.release()
         with self._lock:
             futures = [f for r in req_ids for f in self._by_request.get(r, ())]
         for f in futures:
@@ -79,6 +114,7 @@ class CopyThread:
 
     def drain(self) -> None:
         """Wait for every job submitted so far."""
+        self.release()
         self._executor.submit(lambda: None).result()
 
     @property
@@ -90,6 +126,7 @@ class CopyThread:
     def close(self, timeout_s: float) -> bool:
         """Drop the jobs not started (the engine is stopping: unsaved chunks are misses
         later) and wait at most ``timeout_s`` for the running one. True if it finished."""
+        self.release()
         self._executor.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             running = {f for fs in self._by_request.values() for f in fs} | set(

@@ -149,7 +149,7 @@ class KVConnector(KVConnectorBase_V1):
 
     @_timed
     def wait_for_save(self) -> None:
-        self.worker.forward_running.clear()
+        self.worker.write_gate.clear()
         self.worker.finish_layer_loads()
         plan = self._plan()
         if plan.saves:

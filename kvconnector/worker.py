@@ -22,12 +22,13 @@ from kvconnector.layout import LayerLayout, LayoutError, describe_layers
 from kvconnector.ledger import Ledger
 from kvconnector.metadata import IDLE_WAIT_S, ChunkTransfer, StepPlan, WorkerReport
 from kvconnector.metrics import DiskTap, StoreTap
+from kvconnector.placement import WritePlacement
 from kvconnector.stats import TransferStats
 from kvconnector.store import ChunkCorrupt, SlotPool, open_disk, open_redis
 from kvconnector.store.disk_space import disk_capacity
 from kvconnector.store.disk_tier import DiskTier
 from kvconnector.store.memory import host_memory
-from kvconnector.store.tiering import PutPlacement, RedisTier
+from kvconnector.store.tiering import RedisTier
 from kvconnector.worker_store import WorkerStore
 
 if TYPE_CHECKING:
@@ -68,13 +69,13 @@ class WorkerHalf:
         self.store: WorkerStore | None = None
         self._ratio = 1
         self.redis_tier: RedisTier | None = None
-        self.forward_running = threading.Event()  # Redis and disk puts wait for it
+        self.write_gate = threading.Event()  # held saves and puts wait for it (placement.py)
         self.disk_tier: DiskTier | None = None
         self._disk_tap = DiskTap()
         self._host_transfer: HostTransfer | None = None
         self._copier: PagedCopier | None = None
         self.layer_loads: LayerLoads | None = None
-        self.copies = CopyThread()
+        self.copies = CopyThread(WritePlacement(self._spare_cores or None, self.write_gate))
         self._busy_reported: dict[str, float] = {}  # thread -> busy seconds reported
         self._device_lock = threading.Lock()  # HostTransfer's staging buffer is shared
         self.blend = (BlendWorker(config, vllm_config, self.spec, len(self.layer_names),
@@ -106,7 +107,7 @@ class WorkerHalf:
         redis = open_redis(self.config)
         self.pool = SlotPool(self.num_slots, shape, self.layout.dtype,
                              checksums=redis is not None)
-        puts = PutPlacement.for_worker(self._spare_cores, self.forward_running,
+        puts = WritePlacement.for_worker(self._spare_cores, self.write_gate,
                                        self.layers[0].is_cuda)
         if self.config.disk_path:
             self.disk_tier = open_disk(self.config, self.disk_capacity, self.pool,
@@ -258,7 +259,7 @@ class WorkerHalf:
 
     def forward_began(self, plan: StepPlan) -> None:
         if not plan.idle:
-            self.forward_running.set()
+            self.write_gate.set()
 
     # ---- saves ----
     def save(self, transfers: list[ChunkTransfer]) -> None:
@@ -273,7 +274,8 @@ class WorkerHalf:
             return
         if self._host_transfer is None:
             self.copies.submit(lambda ts=transfers: self._save_chunks(ts),
-                               {t.req_id for t in transfers}, [t.slot for t in transfers])
+                               {t.req_id for t in transfers}, [t.slot for t in transfers],
+                               save=True)
             return
         for t in transfers:  # CUDA: the DMA is queued now, the seal waits for it on the thread
             self.copies.wait_for_slots([t.slot])

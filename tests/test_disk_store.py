@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from kvconnector.keys import ChunkKey
+from kvconnector.placement import WritePlacement
 from kvconnector.store import codec
 from kvconnector.store.disk_catalog import DiskCatalog
 from kvconnector.store.disk_files import HEAD_BYTES, chunk_path, file_size
 from kvconnector.store.disk_space import STALE_TEMP_S, USAGE_FILE, DiskSpace, read_usage
 from kvconnector.store.disk_tier import DiskTier
 from kvconnector.store.memory import ChunkCorrupt, SlotPool
-from kvconnector.store.tiering import PutPlacement
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = (2, 64, 8)  # 1024 fp32 elements: 4 KiB a chunk
@@ -69,13 +69,13 @@ def tier(tmp_path, pool):
 
 def test_disk_writes_wait_for_a_forward_pass_as_the_worker_places_them(tmp_path, pool):
     """On the CPU build a worker's disk writes, like its Redis puts, wait for its
-    ``forward_running`` event (tiering.PUT_HOLD_MAX_S); on CUDA they do not wait."""
+    ``write_gate`` (placement.WRITE_HOLD_MAX_S); on CUDA they do not wait."""
     forward_running = threading.Event()
-    placement = PutPlacement.for_worker(None, forward_running, cuda=False)
+    placement = WritePlacement.for_worker(None, forward_running, cuda=False)
     assert placement.gate is forward_running
-    assert PutPlacement.for_worker(None, forward_running, cuda=True).gate is None
+    assert WritePlacement.for_worker(None, forward_running, cuda=True).gate is None
     t = DiskTier(tmp_path / "kv", 10 * FILE, pool, "kv",
-                 placement=PutPlacement(gate=forward_running, hold_s=5.0))
+                 placement=WritePlacement(gate=forward_running, hold_s=5.0))
     try:
         fill(pool, 0, key(1), 0.5)
         t.offload(0, key(1), 0)
@@ -93,7 +93,7 @@ def test_a_held_write_whose_slot_was_reused_is_reported_not_written(tmp_path, po
     is written, and with KV events the chunk is reported as not on disk."""
     gate = threading.Event()
     t = DiskTier(tmp_path / "kv", 10 * FILE, pool, "kv", track_gone=True,
-                 placement=PutPlacement(gate=gate, hold_s=5.0))
+                 placement=WritePlacement(gate=gate, hold_s=5.0))
     try:
         fill(pool, 0, key(1), 0.5)
         t.offload(0, key(1), 0)

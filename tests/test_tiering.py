@@ -15,9 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from redis_server import RedisServer  # noqa: E402
 
 from kvconnector.keys import ChunkKey  # noqa: E402
+from kvconnector.placement import WritePlacement  # noqa: E402
 from kvconnector.store import SlotPool  # noqa: E402
 from kvconnector.store.redis_store import RedisStore  # noqa: E402
-from kvconnector.store.tiering import PutPlacement, PutQueue, RedisTier  # noqa: E402
+from kvconnector.store.tiering import PutQueue, RedisTier  # noqa: E402
 
 KEY = ChunkKey(b"f" * 16, 0, b"h" * 16)
 
@@ -42,12 +43,12 @@ def test_flush_gives_up_on_a_stuck_copy_and_says_so():
 
 def test_a_gated_put_waits_for_a_forward_pass_or_its_hold_limit():
     """Queued between forward passes, a put waits for the next to begin (the worker's
-    ``forward_running`` event), and goes after ``hold_s`` if none does; queued during one,
+    ``write_gate``), and goes after ``hold_s`` if none does; queued during one,
     it goes at once."""
     made: list[tuple[int, float]] = []
     gate = threading.Event()
     q = PutQueue("test", lambda chunks: made.extend((s, time.monotonic()) for s, _, _ in chunks),
-                 placement=PutPlacement(gate=gate, hold_s=5.0))
+                 placement=WritePlacement(gate=gate, hold_s=5.0))
     q.offload(0, KEY)
     time.sleep(0.2)
     assert made == []  # no forward pass yet: held
@@ -61,7 +62,7 @@ def test_a_gated_put_waits_for_a_forward_pass_or_its_hold_limit():
 
     made.clear()
     q = PutQueue("test", lambda chunks: made.extend((s, time.monotonic()) for s, _, _ in chunks),
-                 placement=PutPlacement(gate=threading.Event(), hold_s=0.3))
+                 placement=WritePlacement(gate=threading.Event(), hold_s=0.3))
     queued = time.monotonic()
     q.offload(2, KEY)
     assert q.flush(5) and [s for s, _ in made] == [2]
@@ -169,7 +170,7 @@ def test_the_redis_write_thread_runs_on_the_cores_it_is_given(server):
     core = max(os.sched_getaffinity(0))
     redis = RedisStore.from_url(server.url, key_prefix="cores", timeout_s=2.0)
     pool = SlotPool(2, (2, 2, 16, 2, 8), torch.float32, checksums=True)
-    tier = RedisTier(redis, pool, "chunk", placement=PutPlacement({core}))
+    tier = RedisTier(redis, pool, "chunk", placement=WritePlacement({core}))
     try:
         (thread,) = tier._puts._threads
         assert os.sched_getaffinity(thread.native_id) == {core}

@@ -210,17 +210,17 @@ def test_get_finished_waits_only_in_a_step_that_scheduled_nothing():
     assert asked == [False, True, False]
 
 
-def test_only_a_step_that_computes_lets_held_puts_go():
-    """A bound plan that schedules tokens sets the worker's ``forward_running`` (Redis puts
-    and disk writes wait for it); an idle step's plan does not."""
+def test_only_a_step_that_computes_lets_held_writes_go():
+    """A bound plan that schedules tokens sets the worker's ``write_gate`` (saves, Redis
+    puts and disk writes wait for it); an idle step's plan does not."""
     import threading
 
     from kvconnector.metadata import StepPlan
     from kvconnector.worker import WorkerHalf
 
     half = object.__new__(WorkerHalf)  # the method alone: no engine behind it
-    half.forward_running = threading.Event()
+    half.write_gate = threading.Event()
     half.forward_began(StepPlan(idle=True))
-    assert not half.forward_running.is_set()
+    assert not half.write_gate.is_set()
     half.forward_began(StepPlan(idle=False))
-    assert half.forward_running.is_set()
+    assert half.write_gate.is_set()

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvconnector.config import ConnectorConfig
     from kvconnector.keys import Fingerprint
+    from kvconnector.placement import WritePlacement
     from kvconnector.store.disk_tier import DiskTier
     from kvconnector.store.memory import ChunkCorrupt, MemoryIndex, SlotPool
     from kvconnector.store.redis_mirror import RedisKeyMirror
     from kvconnector.store.redis_store import RedisStore
-    from kvconnector.store.tiering import PutPlacement
 
 __all__ = ["ChunkCorrupt", "MemoryIndex", "SlotPool", "open_disk", "open_mirror", "open_redis"]
 
@@ -73,7 +73,7 @@ def open_mirror(config: ConnectorConfig, store: RedisStore,
 
 def open_disk(config: ConnectorConfig, capacity: int, pool: SlotPool, layout_name: str,
               fingerprint: Fingerprint, blocks_per_chunk: int, track_gone: bool,
-              placement: PutPlacement) -> DiskTier:
+              placement: WritePlacement) -> DiskTier:
     """This worker's disk tier (``config.disk_path``, checked at start-up); its writes run
     as ``placement`` says."""
     from kvconnector.store import codec

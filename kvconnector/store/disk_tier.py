@@ -20,19 +20,13 @@ from pathlib import Path
 
 from kvconnector import threads
 from kvconnector.keys import ChunkKey, Fingerprint
+from kvconnector.placement import AT_ONCE, WritePlacement
 from kvconnector.store import descriptor
 from kvconnector.store.codec import REASONS, ExpectedChunk, checksum
 from kvconnector.store.disk_files import FULL_ERRNOS, DiskFiles, descriptor_path, file_size
 from kvconnector.store.disk_space import DiskSpace
 from kvconnector.store.memory import SlotPool
-from kvconnector.store.tiering import (
-    AT_ONCE,
-    FLUSH_TIMEOUT_S,
-    Chunk,
-    PutPlacement,
-    PutQueue,
-    SlotBytes,
-)
+from kvconnector.store.tiering import FLUSH_TIMEOUT_S, Chunk, PutQueue, SlotBytes
 
 logger = logging.getLogger("kvconnector.store.disk")
 
@@ -64,7 +58,7 @@ class DiskTier:
                  mac_key: bytes | None = None, direct_io: bool = True,
                  write_threads: int = 1, fingerprint: Fingerprint | None = None,
                  blocks_per_chunk: int = 1, track_gone: bool = False,
-                 placement: PutPlacement = AT_ONCE) -> None:
+                 placement: WritePlacement = AT_ONCE) -> None:
         self.files = DiskFiles(root, mac_key=mac_key, direct_io=direct_io)
         self.space = DiskSpace(root, capacity, self._evicted if track_gone else None)
         # With track_gone (KV events): chunks of this engine that left the disk or never

@@ -11,12 +11,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from kvconnector.keys import ChunkKey, Fingerprint
+from kvconnector.placement import AT_ONCE, WritePlacement
 from kvconnector.store import descriptor
 from kvconnector.store.codec import ExpectedChunk, encode_header
 from kvconnector.store.memory import SlotPool
@@ -31,39 +31,8 @@ MAX_QUEUED_PUTS = 256
 MAX_PUT_BATCH = 16  # chunks in one Redis pipeline
 PUT_BATCH_BYTES = 16 << 20  # a batch holds its slots leased until Redis answers
 FLUSH_TIMEOUT_S = 60.0  # flush() is for tests, tools and benchmarks: a stuck write fails them
-# On the CPU build a put to Redis or disk waits for a forward pass to run (the worker's
-# ``forward_running`` event), at most this long, and runs on the cores vLLM left spare.
-# Between forward passes both cores of a small machine are on the request's path: the
-# worker finishes its step on one, vLLM's engine-core process hands the output over and
-# schedules the next step on the other. A Redis put there (the put thread, and
-# redis-server taking the values in) cost a stream of 1024-token tiny-model misses 2.4 ms
-# each; held for the next forward pass and run on the spare core, where the engine-core
-# process only waits, about 1 ms (docs/benchmarks.md section 33); disk writes 1.4-1.6 ms
-# written at once, 0.9-1.2 ms held (section 34). Either change alone made misses slower.
-# Longer than the gap between two requests' forward passes in such a stream (5-8 ms); an
-# engine with nothing more to compute gets its puts after this.
-PUT_HOLD_MAX_S = 0.02
 
 Chunk = tuple[int, ChunkKey, int]  # (slot, key, blocks of a partial chunk or 0)
-
-
-@dataclass(frozen=True)
-class PutPlacement:
-    """Where and when a tier's puts run: on ``cores`` (None: wherever the thread starting
-    them runs), and with a ``gate`` once it is set, at most ``hold_s`` later."""
-
-    cores: set[int] | None = None
-    gate: threading.Event | None = None
-    hold_s: float = PUT_HOLD_MAX_S
-
-    @staticmethod
-    def for_worker(spare_cores: set[int] | None, forward_running: threading.Event,
-                   cuda: bool) -> PutPlacement:
-        """A worker's: on the spare cores, held for a forward pass on the CPU build."""
-        return PutPlacement(spare_cores, None if cuda else forward_running)
-
-
-AT_ONCE = PutPlacement()  # a put goes when queued, from wherever (tests and tools)
 
 
 class SlotBytes:
@@ -138,7 +107,7 @@ class PutQueue:
     def __init__(self, name: str, put: Callable[[list[Chunk]], None], threads: int = 1,
                  first: Callable[[], None] | None = None,
                  max_queued: int = MAX_QUEUED_PUTS, batch: int = 1,
-                 placement: PutPlacement = AT_ONCE) -> None:
+                 placement: WritePlacement = AT_ONCE) -> None:
         self.name = name
         self.batch = max(1, batch)
         self._gate = placement.gate
@@ -255,7 +224,7 @@ class RedisTier:
 
     def __init__(self, redis: RedisStore, pool: SlotPool, layout_name: str,
                  fingerprint: Fingerprint | None = None, blocks_per_chunk: int = 1,
-                 placement: PutPlacement = AT_ONCE) -> None:
+                 placement: WritePlacement = AT_ONCE) -> None:
         self.redis = redis
         self.pool = pool
         self.bytes = SlotBytes(pool, layout_name, blocks_per_chunk)

@@ -5,10 +5,12 @@ scheduler planned them. The worker asks it to wait only where vLLM is about to r
 job still reads (a preempted request's blocks) or where the main thread reads a slot a job is
 still writing.
 
-With a ``saves`` placement (the CPU build) a save is held until the next forward pass
-begins and runs on the placement's cores (placement.py). Whatever must not wait for it lets
-it go at once: a job that is not a save queued behind it, a wait for its slots or requests,
-a drain.
+With a ``saves`` placement (the CPU build) the thread runs on the placement's cores, and a
+save is held until the next forward pass begins (placement.py). Whatever must not wait for
+it lets it go at once: a job that is not a save queued behind it, a wait for its slots or
+requests, a drain. The whole thread moves, not each save: a save that moved back to the
+forward's core when done slowed a stream of 1024-token tiny-model misses by about 1 ms each
+(docs/benchmarks.md section 37).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ logger = logging.getLogger("kvconnector.background")
 
 class CopyThread:
     def __init__(self, saves: WritePlacement = AT_ONCE) -> None:
-        self._executor = threads.pool("kvconnector-copy")
+        self._executor = threads.pool("kvconnector-copy", saves.cores)
         self._saves = saves
         self._held = 0  # saves queued that have not started
         self._lock = threading.Lock()
@@ -69,8 +71,7 @@ class CopyThread:
             finally:
                 with self._lock:
                     self._held -= 1
-            with threads.on_cores(self._saves.cores):
-                job()
+            job()
         return run
 
     def _timed(self, job: Callable[[], None]) -> None:

@@ -16,9 +16,8 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import torch
 
@@ -106,26 +105,3 @@ def _restore_default(threads: int) -> None:
         torch._C.set_num_threads(threads)
     except Exception:
         logger.debug("kvconnector: torch's default threads not restored", exc_info=True)
-
-
-@contextmanager
-def on_cores(cores: set[int] | None) -> Iterator[None]:
-    """The calling thread on ``cores`` (None or empty: where it is) for the block, then
-    back on the cores it had."""
-    before = None
-    if cores:
-        try:
-            before = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, cores)
-        except OSError as e:  # still correct where it runs; only slower
-            logger.debug("kvconnector: %s not moved to cores %s: %s",
-                         threading.current_thread().name, sorted(cores), e)
-    try:
-        yield
-    finally:
-        if before is not None:
-            try:
-                os.sched_setaffinity(0, before)
-            except OSError:
-                logger.debug("kvconnector: %s not moved back to cores %s",
-                             threading.current_thread().name, sorted(before))

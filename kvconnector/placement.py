@@ -8,9 +8,10 @@ the output over and schedules the next step on the other. During a forward pass 
 core only runs the engine-core process's wait for the worker. Measured on 1024-token
 tiny-model misses (docs/benchmarks.md): a Redis put after the forward pass cost each miss
 2.4 ms, held and on the spare core about 1 ms (section 33); disk writes 1.4-1.6 ms at once,
-0.9-1.2 ms held (section 34); a save's copy 0.5-0.8 ms at once on the worker's core,
-0.3 ms held (section 37). Held on the worker's core, or at once on the spare core, each was
-slower. The CUDA build does not hold them (not measured there).
+0.9-1.2 ms held (section 34). Held on the worker's core, or at once on the spare core, each
+was slower. With a step's saves held as well, a Redis miss's step took 0.9-1.1 ms more than
+a request's that opts out, against 1.2-2.1 ms with the saves made at once after the forward
+pass (section 37). The CUDA build does not hold them (not measured there).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from kvconnector.layout import LayerLayout, LayoutError, describe_layers
 from kvconnector.ledger import Ledger
 from kvconnector.metadata import IDLE_WAIT_S, ChunkTransfer, StepPlan, WorkerReport
 from kvconnector.metrics import DiskTap, StoreTap
-from kvconnector.placement import WritePlacement
+from kvconnector.placement import AT_ONCE, WritePlacement
 from kvconnector.stats import TransferStats
 from kvconnector.store import ChunkCorrupt, SlotPool, open_disk, open_redis
 from kvconnector.store.disk_space import disk_capacity
@@ -75,7 +75,8 @@ class WorkerHalf:
         self._host_transfer: HostTransfer | None = None
         self._copier: PagedCopier | None = None
         self.layer_loads: LayerLoads | None = None
-        self.copies = CopyThread(WritePlacement(self._spare_cores or None, self.write_gate))
+        saves = WritePlacement(self._spare_cores or None, self.write_gate)
+        self.copies = CopyThread(saves if compat.is_cpu_platform() else AT_ONCE)
         self._busy_reported: dict[str, float] = {}  # thread -> busy seconds reported
         self._device_lock = threading.Lock()  # HostTransfer's staging buffer is shared
         self.blend = (BlendWorker(config, vllm_config, self.spec, len(self.layer_names),

@@ -8,9 +8,9 @@ still writing.
 With a ``saves`` placement (the CPU build) the thread runs on the placement's cores, and a
 save is held until the next forward pass begins (placement.py). Whatever must not wait for
 it lets it go at once: a job that is not a save queued behind it, a wait for its slots or
-requests, a drain. The whole thread moves, not each save: a save that moved back to the
-forward's core when done slowed a stream of 1024-token tiny-model misses by about 1 ms each
-(docs/benchmarks.md section 37).
+requests, a drain. The whole thread moves, not each save: in one run, a save that moved
+back to the forward's core when done added about 0.8 ms to each 1024-token tiny-model
+memory miss (docs/benchmarks.md section 37).
 """
 
 from __future__ import annotations

@@ -289,15 +289,19 @@ def machine() -> dict:
 
 
 def _cpu_model() -> dict:
-    """The CPU's name and whether it has AMX: shared VMs here change hosts, and a bf16
-    model's prefill ran 4.4x slower on one without AMX (docs/benchmarks.md section 34)."""
+    """The CPU's name and its bf16 support: shared VMs here change hosts; a bf16 model's
+    prefill ran 4.4x slower on one without AMX (docs/benchmarks.md section 34), and about
+    11x slower again on one without AVX-512 (section 38)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return {}
     names = [line.split(":", 1)[1].strip() for line in text.splitlines()
              if line.startswith("model name")]
-    return {"cpu_model": names[0] if names else "", "amx": " amx_bf16" in text}
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])
+    return {"cpu_model": names[0] if names else "", "amx": "amx_bf16" in flags,
+            "avx512": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags}
 
 
 def pyplot():

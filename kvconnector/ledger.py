@@ -63,6 +63,11 @@ class Ledger:
             self._report.bad_chunks.update(bad_chunks)
             self._report.note_failed_load(req_id, index)
 
+    def chunk_load_failed(self, t: ChunkTransfer, reason: str) -> None:
+        """``t``'s blocks are recomputed and its chunk forgotten; counted under ``reason``."""
+        self.load_failed(t.req_id, t.index, [b for b in t.block_ids if b >= 0], [t.chunk_hash])
+        self.count(load_errors=1, **{f"load_errors.{reason}": 1})
+
     def bad_chunks(self, chunk_hashes: Iterable[bytes]) -> None:
         """Chunks the scheduler must forget (unreadable, or their save failed)."""
         with self._lock:

@@ -1,7 +1,8 @@
 """Worker half: executes each step's plan between vLLM's paged KV tensors and the pool.
 
 Synchronous loads run on the main thread before the forward; saves and loads of requests
-parked in WAITING_FOR_REMOTE_KVS run on the copy thread (``background.py``)."""
+parked in WAITING_FOR_REMOTE_KVS run on the copy thread (``background.py``). The copies
+themselves, and what each owes the ledger, are ``block_copies.py``'s."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvconnector import compat, kernels
+from kvconnector import compat
 from kvconnector.background import CopyThread
 from kvconnector.blend.worker import BlendWorker
+from kvconnector.block_copies import BlockCopies, copy_stream, paged_mover
 from kvconnector.config import ConnectorConfig
-from kvconnector.kernels.batched import PagedCopier, block_runs
 from kvconnector.layer_loads import LayerLoads
 from kvconnector.layout import LayerLayout, LayoutError, describe_layers
 from kvconnector.ledger import Ledger
@@ -24,7 +25,7 @@ from kvconnector.metadata import IDLE_WAIT_S, ChunkTransfer, StepPlan, WorkerRep
 from kvconnector.metrics import DiskTap, StoreTap
 from kvconnector.placement import AT_ONCE, WritePlacement
 from kvconnector.stats import TransferStats
-from kvconnector.store import ChunkCorrupt, SlotPool, open_disk, open_redis
+from kvconnector.store import SlotPool, open_disk, open_redis
 from kvconnector.store.disk_space import disk_capacity
 from kvconnector.store.disk_tier import DiskTier
 from kvconnector.store.memory import host_memory
@@ -34,8 +35,6 @@ from kvconnector.worker_store import WorkerStore
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
-
-    from kvconnector.kernels.host_transfer import HostTransfer
 
 logger = logging.getLogger("kvconnector.worker")
 
@@ -67,18 +66,15 @@ class WorkerHalf:
         self.layout: LayerLayout | None = None
         self.pool: SlotPool | None = None
         self.store: WorkerStore | None = None
-        self._ratio = 1
+        self.blocks: BlockCopies | None = None
         self.redis_tier: RedisTier | None = None
         self.write_gate = threading.Event()  # held saves and puts wait for it (placement.py)
         self.disk_tier: DiskTier | None = None
         self._disk_tap = DiskTap()
-        self._host_transfer: HostTransfer | None = None
-        self._copier: PagedCopier | None = None
         self.layer_loads: LayerLoads | None = None
         saves = WritePlacement(self._spare_cores or None, self.write_gate)
         self.copies = CopyThread(saves if compat.is_cpu_platform() else AT_ONCE)
         self._busy_reported: dict[str, float] = {}  # thread -> busy seconds reported
-        self._device_lock = threading.Lock()  # HostTransfer's staging buffer is shared
         self.blend = (BlendWorker(config, vllm_config, self.spec, len(self.layer_names),
                                   self.copies, self.ledger)
                       if config.blending.enabled else None)
@@ -99,7 +95,6 @@ class WorkerHalf:
         if self.spec.block_size % kbs:
             raise LayoutError(f"kernel block size {kbs} does not divide block size "
                               f"{self.spec.block_size}")
-        self._ratio = self.spec.block_size // kbs
         shape = (len(self.layers), *self.layout.chunk_shape(self.config.chunk_size // kbs))
         if not self.layers[0].is_cuda:  # the KV cache came out of the same memory
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -118,31 +113,22 @@ class WorkerHalf:
             self.redis_tier = RedisTier(redis, self.pool, self.layout.family,
                                         fingerprint=self.fingerprint_fields,
                                         blocks_per_chunk=self.blocks_per_chunk, placement=puts)
-        if self.layers[0].is_cuda:
-            from kvconnector.kernels.host_transfer import HostTransfer
-
-            self._host_transfer = HostTransfer(self.layers, self.layout,
-                                               self.config.chunk_size // kbs, max_chunks=1)
-        else:
-            self._copier = PagedCopier(self.layers, self.layout, self._spare_cores)
-        stream = self._host_transfer.stream if self._host_transfer is not None else None
+        mover = paged_mover(self.layers, self.layout, self.config.chunk_size // kbs,
+                            self._spare_cores)
         tiers = [t for t in (self.disk_tier, self.redis_tier) if t is not None]
         self.store = WorkerStore(self.pool, tiers, self.fingerprint, self.tp_rank,
-                                 self.ledger, stream)
-        if self._copier is not None and self.config.by_layer(len(self.layer_names)):
-            self.layer_loads = LayerLoads(self.layer_names, self._copier, self.store,
-                                          self.redis_tier, self.ledger, self._kernel_ids,
+                                 self.ledger, copy_stream(mover))
+        self.blocks = BlockCopies(mover, self.layers, self.spec.block_size, kbs, self.store,
+                                  self.ledger, self.copies)
+        copier = self.blocks.copier
+        if copier is not None and self.config.by_layer(len(self.layer_names)):
+            self.layer_loads = LayerLoads(self.layer_names, copier, self.store,
+                                          self.redis_tier, self.ledger, self.blocks.kernel_ids,
                                           self.spec.block_size, self._spare_cores)
         if self.blend is not None:
             self.blend.attach(self.layers, self.layout, self.store)
         logger.info("kvconnector worker rank %d: %d layers, layout %s %s",
                     self.tp_rank, len(self.layers), self.layout.family, self.layout.sizes)
-
-    def _kernel_ids(self, block_ids: list[int]) -> list[int]:
-        return kernels.kernel_block_ids(block_ids, self._ratio)
-
-    def _kernel_block_ids(self, block_ids: list[int]) -> torch.Tensor:
-        return torch.tensor([self._kernel_ids(block_ids)], dtype=torch.long)
 
     # ---- loads ----
     def load(self, plan: StepPlan) -> None:
@@ -155,12 +141,13 @@ class WorkerHalf:
                 self.finish_layer_loads()  # the last step's, were it never finished
                 self.layer_loads.start(plan.loads)  # the forward waits layer by layer
                 return
+            assert self.blocks is not None
             self._fetch(plan.loads)
-            self._load_chunks(plan.loads, on_copy_thread=False)
+            self.blocks.load(plan.loads, on_copy_thread=False)
         except Exception:  # never the request, never the engine: a recompute
             logger.exception("kvconnector: loading %d chunks failed", len(plan.loads))
             for t in plan.loads:
-                self._load_failed(t, "error")
+                self.ledger.chunk_load_failed(t, "error")
 
     def _by_layer(self, plan: StepPlan) -> bool:
         """Layer by layer: a load with chunks to read from Redis, or one from memory big
@@ -178,7 +165,7 @@ class WorkerHalf:
         its failures are reported."""
         if self.layer_loads is not None:
             for t, reason in self.layer_loads.finish():
-                self._load_failed(t, reason)
+                self.ledger.chunk_load_failed(t, reason)
 
     def start_async_loads(self, plan: StepPlan) -> None:
         """One copy-thread job per parked request: fetch from Redis, then fill its blocks."""
@@ -190,14 +177,15 @@ class WorkerHalf:
                 lambda: self._load_request(r, ts), [r], [t.slot for t in ts]))
 
     def _load_request(self, req_id: str, transfers: list[ChunkTransfer]) -> None:
+        assert self.blocks is not None
         try:
             self._fetch(transfers)
-            self._load_chunks(transfers, on_copy_thread=True)
+            self.blocks.load(transfers, on_copy_thread=True)
         except Exception:  # blocks that may not have been written are recomputed
             logger.exception("kvconnector: loading request %s failed; its blocks will be "
                              "recomputed", req_id)
             for t in transfers:
-                self._load_failed(t, "error")
+                self.ledger.chunk_load_failed(t, "error")
         finally:  # vLLM releases the request only once it is reported, failed or not
             self.ledger.received(req_id)
             self.ledger.fetch_over()
@@ -208,130 +196,14 @@ class WorkerHalf:
         self.store.fetch([(t.slot, t.chunk_hash, t.source, t.blocks) for t in transfers
                           if t.source != "memory" and t.slot >= 0])
 
-    def _load_chunks(self, transfers: list[ChunkTransfer], on_copy_thread: bool) -> None:
-        """Check every slot's key, then move all the chunks that passed at once. A slot
-        that fails costs a recompute of its blocks, never the request."""
-        assert self.pool is not None and self.store is not None
-        start = time.perf_counter()
-        ready: list[ChunkTransfer] = []
-        for t in transfers:
-            try:
-                self.store.read(t.slot, t.chunk_hash)
-            except ChunkCorrupt as e:
-                logger.warning("kvconnector: %s; its blocks will be recomputed", e)
-                self._load_failed(t, e.reason)
-                continue
-            ready.append(t)
-        if not ready:
-            return
-        try:
-            if self._copier is not None:
-                runs = block_runs((t.slot, self._kernel_ids(t.block_ids)) for t in ready)
-                self._copier.scatter(self.pool.buffer, runs)
-            else:
-                for t in ready:
-                    self._load_cuda(self.pool.slot(t.slot), self._kernel_block_ids(t.block_ids),
-                                    on_copy_thread)
-        except Exception:
-            logger.exception("kvconnector: loading %d chunks failed", len(ready))
-            for t in ready:
-                self._load_failed(t, "error")
-            return
-        elapsed = time.perf_counter() - start
-        self.ledger.loaded(ready, self.spec.block_size, self.pool.chunk_bytes, elapsed)
-        self.ledger.count(**{"phase_seconds.load_copy": elapsed})
-
-    def _load_cuda(self, slot: torch.Tensor, block_ids: torch.Tensor,
-                   on_copy_thread: bool) -> None:
-        """Host slot -> blocks; on the main thread, ordered before the compute stream's next
-        work; on the copy thread, complete on return."""
-        assert self._host_transfer is not None
-        with self._device_lock:
-            done = self._host_transfer.load(slot[None], block_ids)
-        if on_copy_thread:
-            done.synchronize()
-        else:
-            torch.cuda.current_stream(self.layers[0].device).wait_event(done)
-
-    def _load_failed(self, t: ChunkTransfer, reason: str) -> None:
-        self.ledger.load_failed(t.req_id, t.index, [b for b in t.block_ids if b >= 0],
-                                [t.chunk_hash])
-        self.ledger.count(load_errors=1, **{f"load_errors.{reason}": 1})
-
     def forward_began(self, plan: StepPlan) -> None:
         if not plan.idle:
             self.write_gate.set()
 
     # ---- saves ----
     def save(self, transfers: list[ChunkTransfer]) -> None:
-        """Start copying chunks out; the forward pass does not wait.
-
-        The source blocks stay as they are until the copies are done: running requests own
-        them, and a later step that hands them out again lists the request in its
-        ``fence``, which ``handle_preemptions`` waits for before any KV is written.
-        """
-        assert self.store is not None
-        if not transfers:
-            return
-        if self._host_transfer is None:
-            self.copies.submit(lambda ts=transfers: self._save_chunks(ts),
-                               {t.req_id for t in transfers}, [t.slot for t in transfers],
-                               save=True)
-            return
-        for t in transfers:  # CUDA: the DMA is queued now, the seal waits for it on the thread
-            self.copies.wait_for_slots([t.slot])
-            start = time.perf_counter()
-            try:
-                buf = self.store.begin_write(t.slot)
-                with self._device_lock:
-                    done = self._host_transfer.save(self._kernel_block_ids(t.block_ids), buf[None])
-            except Exception:
-                self._save_failed(t)
-                continue
-            self.copies.submit(lambda t=t, d=done, s=start: self._seal(t, d, s),
-                               [t.req_id], [t.slot])
-
-    def _save_chunks(self, transfers: list[ChunkTransfer]) -> None:
-        """All of a step's saves in one pass (the copy thread, CPU)."""
-        assert self.store is not None and self._copier is not None
-        start = time.perf_counter()
-        try:
-            for t in transfers:
-                buf = self.store.begin_write(t.slot)
-                if any(b < 0 for b in t.block_ids):
-                    buf.zero_()  # a partial chunk: no bytes of an earlier chunk stay behind
-            runs = block_runs((t.slot, self._kernel_ids(t.block_ids)) for t in transfers)
-            self._copier.gather(self.store.pool.buffer, runs)
-        except Exception:
-            for t in transfers:
-                self._save_failed(t)
-            return
-        for t in transfers:
-            self._seal(t, None, start)
-
-    def _seal(self, t: ChunkTransfer, copied: torch.cuda.Event | None, start: float) -> None:
-        """Mark the slot as holding ``t``'s chunk. Only values bound for Redis get a checksum:
-        memory slots never leave this process (docs/architecture.md, "Integrity")."""
-        assert self.store is not None
-        try:
-            if copied is not None:
-                copied.synchronize()
-            self.store.seal(t.slot, t.chunk_hash, t.blocks)
-        except Exception:
-            self._save_failed(t)
-            return
-        n_blocks = sum(b >= 0 for b in t.block_ids)
-        elapsed = time.perf_counter() - start
-        self.ledger.count(saved_chunks=1, saved_tokens=n_blocks * self.spec.block_size,
-                          saved_bytes=self.store.pool.chunk_bytes * n_blocks // len(t.block_ids),
-                          save_seconds=elapsed)
-        self.ledger.observe(chunk_save_seconds=elapsed)
-
-    def _save_failed(self, t: ChunkTransfer) -> None:
-        assert self.store is not None
-        logger.exception("kvconnector: saving chunk %s failed", self.store.key(t.chunk_hash))
-        self.ledger.bad_chunks([t.chunk_hash])
-        self.ledger.count(save_errors=1)
+        assert self.blocks is not None
+        self.blocks.save(transfers)
 
     def handle_preemptions(self, plan: StepPlan) -> None:
         """Runs before the step writes KV. Queues the saves of requests that finished since
@@ -381,8 +253,8 @@ class WorkerHalf:
                 tier.close(max(0.0, deadline - time.monotonic()))
         if self.layer_loads is not None:
             self.layer_loads.close()
-        if self._copier is not None:
-            self._copier.close()
+        if self.blocks is not None:
+            self.blocks.close()
 
     def take_stats(self) -> TransferStats | None:
         for name, busy in (("copy_thread", self.copies.busy_seconds),

@@ -48,7 +48,7 @@ def _every_load_to_the_helper(worker) -> list[int]:
     batched.HELPER_MIN_BYTES = 0
     half = get_kv_transfer_group().worker
     _noise_kv(worker)
-    return sorted(half._spare_cores) if half._copier._helper is not None else []
+    return sorted(half._spare_cores) if half.blocks.copier._helper is not None else []
 
 
 def _corrupt(worker, prompt: list[int], chunk: int, reseal: bool) -> bool:

@@ -290,8 +290,8 @@ def machine() -> dict:
 
 def _cpu_model() -> dict:
     """The CPU's name and its bf16 support: shared VMs here change hosts; a bf16 model's
-    prefill ran 4.4x slower on one without AMX (docs/benchmarks.md section 34), and about
-    11x slower again on one without AVX-512 (section 38)."""
+    prefill ran 4.4x slower on one without AMX (docs/benchmarks.md section 34), and 11-14x
+    slower again on one without AVX-512 (section 38)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -31,6 +31,7 @@ from bench_miss_paired import GOAL, KINDS
 from common import (
     ROOT,
     add_model_args,
+    connector,
     connector_seconds,
     engine,
     in_fresh_process,
@@ -123,6 +124,8 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=0.5, help="idle seconds before a round")
     p.add_argument("--key-mirror", action="store_true",
                    help="also memory + Redis with redis_key_mirror")
+    p.add_argument("--disk-buffered", action="store_true",
+                   help="also memory + disk with disk_direct_io false (page-cache writes)")
     p.add_argument("--plot", default=None)
     with redis_for(p.parse_args()) as args:
         args.redis_pid = None
@@ -140,11 +143,14 @@ def bench(args, disk_path: str | None) -> None:
 
     model, vocab = resolve_model(args)
     tiers = tier_connectors(args, disk_path)
+    if disk_path is not None and args.disk_buffered:
+        tiers["memory + disk, buffered"] = connector(
+            {**tiers["memory + disk"]["kv_connector_extra_config"], "disk_direct_io": False})
     order = rotated_order(list(tiers), args.engines)
     runs: dict[str, list[dict]] = {t: [] for t in tiers}
     for i, tier in enumerate(tqdm(order, desc="engines")):
-        runs[tier].append(in_fresh_process(run_engine, model, args, tiers[tier], 3000 + i,
-                                           vocab))
+        runs[tier].append(in_fresh_process(run_engine, model, args,
+                                           own_directory(tiers[tier], i), 3000 + i, vocab))
     per_engine = {t: [statistics.median(r["rates"]["opted out"]) /
                       statistics.median(r["rates"]["kvconnector"]) for r in runs[t]]
                   for t in tiers}
@@ -174,6 +180,15 @@ def bench(args, disk_path: str | None) -> None:
         "runs": runs})
     print(f"results: {out}")
     plot(args.plot or out.with_suffix(".png"), model, per_engine, ratio)
+
+
+def own_directory(kvt: dict, engine_index: int) -> dict:
+    """``kvt`` with a disk tier of its own, empty at start-up: an engine that started beside
+    an earlier engine's files would scan and order them first, which the others do not."""
+    extra = kvt["kv_connector_extra_config"]
+    if not extra.get("disk_path"):
+        return kvt
+    return connector({**extra, "disk_path": f"{extra['disk_path']}/engine-{engine_index}"})
 
 
 def cpu_per_round(runs: list[dict]) -> dict[str, dict[str, float]]:

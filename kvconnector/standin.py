@@ -22,6 +22,8 @@ import random
 import shutil
 from pathlib import Path
 
+from kvconnector.build_once import build_once
+
 logger = logging.getLogger("kvconnector.standin")
 
 
@@ -189,10 +191,14 @@ def build_mistral_standin(path: str | os.PathLike, *, num_layers: int = 2,
     marker = path / "kvconnector-standin.json"
     want = {"num_layers": num_layers, "intermediate_size": intermediate_size,
             "weights": weights, "seed": seed, "format": _FORMAT}
-    if marker.exists() and json.loads(marker.read_text()) == want:
-        return path
-    path.mkdir(parents=True, exist_ok=True)
-    marker.unlink(missing_ok=True)
+    with build_once(marker, want) as needed:
+        if needed:
+            _build(path, num_layers, intermediate_size, weights, seed)
+    return path
+
+
+def _build(path: Path, num_layers: int, intermediate_size: int, weights: bool,
+           seed: int) -> None:
     cfg = _model_config(num_layers, intermediate_size)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     (path / "generation_config.json").write_text(json.dumps(
@@ -203,9 +209,7 @@ def build_mistral_standin(path: str | os.PathLike, *, num_layers: int = 2,
         _write_weights(path, cfg, seed)
     else:
         (path / "model.safetensors").unlink(missing_ok=True)
-    marker.write_text(json.dumps(want))
     logger.info("built Mistral-7B stand-in (%d layers) at %s", num_layers, path)
-    return path
 
 
 _SENTENCES = (

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
+
+from kvconnector.build_once import build_once
 
 logger = logging.getLogger("kvconnector.tiny_model")
 
@@ -49,14 +50,12 @@ def _special_ids(fast) -> dict:
             "eos_token_id": fast.eos_token_id, "pad_token_id": fast.pad_token_id}
 
 
-def _save(path: Path, model_cls, cfg, seed: int, marker: Path, want: dict) -> Path:
+def _save(path: Path, model_cls, cfg, seed: int) -> None:
     import torch
 
     torch.manual_seed(seed)
     model_cls(cfg).save_pretrained(path, safe_serialization=True)
-    marker.write_text(json.dumps(want))
     logger.info("built tiny %s at %s", cfg.model_type, path)
-    return path
 
 
 def build_tiny_mistral(path: str | os.PathLike, *, num_layers: int = 2, vocab_size: int = 512,
@@ -65,8 +64,13 @@ def build_tiny_mistral(path: str | os.PathLike, *, num_layers: int = 2, vocab_si
     path = Path(path)
     marker = path / "kvconnector-tiny.json"
     want = {"num_layers": num_layers, "vocab_size": vocab_size, "seed": seed, "v": 2}
-    if marker.exists() and json.loads(marker.read_text()) == want:
-        return path
+    with build_once(marker, want) as needed:
+        if needed:
+            _build_tiny_mistral(path, num_layers, vocab_size, seed)
+    return path
+
+
+def _build_tiny_mistral(path: Path, num_layers: int, vocab_size: int, seed: int) -> None:
     from transformers import MistralConfig, MistralForCausalLM
 
     fast = _tokenizer(path, vocab_size)
@@ -75,7 +79,7 @@ def build_tiny_mistral(path: str | os.PathLike, *, num_layers: int = 2, vocab_si
         num_hidden_layers=num_layers, num_attention_heads=8, num_key_value_heads=2,
         head_dim=32, max_position_embeddings=16384, sliding_window=None,
         tie_word_embeddings=False, torch_dtype="float32", **_special_ids(fast))
-    return _save(path, MistralForCausalLM, cfg, seed, marker, want)
+    _save(path, MistralForCausalLM, cfg, seed)
 
 
 def build_tiny_deepseek(path: str | os.PathLike, *, num_layers: int = 2, vocab_size: int = 512,
@@ -86,8 +90,13 @@ def build_tiny_deepseek(path: str | os.PathLike, *, num_layers: int = 2, vocab_s
     marker = path / "kvconnector-tiny.json"
     want = {"model": "deepseek_v2", "num_layers": num_layers, "vocab_size": vocab_size,
             "seed": seed, "v": 1}
-    if marker.exists() and json.loads(marker.read_text()) == want:
-        return path
+    with build_once(marker, want) as needed:
+        if needed:
+            _build_tiny_deepseek(path, num_layers, vocab_size, seed)
+    return path
+
+
+def _build_tiny_deepseek(path: Path, num_layers: int, vocab_size: int, seed: int) -> None:
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     fast = _tokenizer(path, vocab_size)
@@ -98,4 +107,4 @@ def build_tiny_deepseek(path: str | os.PathLike, *, num_layers: int = 2, vocab_s
         v_head_dim=32, first_k_dense_replace=num_layers, n_routed_experts=8,
         num_experts_per_tok=2, n_shared_experts=1, max_position_embeddings=16384,
         tie_word_embeddings=False, torch_dtype="float32", **_special_ids(fast))
-    return _save(path, DeepseekV2ForCausalLM, cfg, seed, marker, want)
+    _save(path, DeepseekV2ForCausalLM, cfg, seed)

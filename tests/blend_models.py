@@ -3,10 +3,10 @@ offline with the tiny Mistral's tokenizer."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
+from kvconnector.build_once import build_once
 from kvconnector.tiny_model import build_tiny_mistral
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -26,8 +26,16 @@ def build_model(path: Path, tokenizer_from: Path, *, arch: str, num_layers: int 
             "logit_scale": logit_scale, "local_bias": local_bias,
             "rope_parameters": rope_parameters, "seed": seed, "v": 1}
     marker = path / "kvconnector-blend-model.json"
-    if marker.exists() and json.loads(marker.read_text()) == want:
-        return str(path)
+    with build_once(marker, want) as needed:
+        if needed:
+            _build(path, tokenizer_from, arch, num_layers, qk_scale, logit_scale, local_bias,
+                   rope_parameters, seed)
+    return str(path)
+
+
+def _build(path: Path, tokenizer_from: Path, arch: str, num_layers: int, qk_scale: float,
+           logit_scale: float, local_bias: float, rope_parameters: dict | None,
+           seed: int) -> None:
     import torch
     from transformers import (
         LlamaConfig,
@@ -81,8 +89,6 @@ def build_model(path: Path, tokenizer_from: Path, *, arch: str, num_layers: int 
                 a.o_proj.bias.zero_()
         model.lm_head.weight.mul_(logit_scale)
     model.save_pretrained(path, safe_serialization=True)
-    marker.write_text(json.dumps(want))
-    return str(path)
 
 
 def tiny_tokenizer_dir(cache: Path) -> Path:

@@ -39,7 +39,38 @@ def engine_env(tmp: Path, multiprocess: bool = False) -> dict[str, str]:
                VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
                PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="INFO",
                VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # collective_rpc of test functions
+    core = worker_core()
+    if core is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
     return env
+
+
+def worker_core() -> int | None:
+    """The core this pytest-xdist worker's engines compute on: one each. vLLM's automatic
+    binding would put every worker's engine on the same core (the one it does not
+    reserve), and the suite would run no faster in parallel."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not worker.startswith("gw") or len(cores) < 2:
+        return None
+    return cores[int(worker[2:]) % len(cores)]
+
+
+# Modules by how long they take (engines started, tokens computed), slowest first: a
+# parallel run hands each worker whole modules in this order, and one that started last
+# would keep its worker busy after the other had run out of work.
+SLOW_MODULES = ("test_mistral7b", "test_tensor_parallel", "test_differential",
+                "test_blend_engine", "test_smollm2", "test_disk_engine", "test_engine",
+                "test_operations", "test_redis_engine", "test_multiprocess", "test_server",
+                "test_lifecycle", "test_redis_faults")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    def rank(item) -> int:
+        name = item.path.stem
+        return SLOW_MODULES.index(name) if name in SLOW_MODULES else len(SLOW_MODULES)
+
+    items.sort(key=rank)  # stable: each module's tests keep their order
 
 
 HOSTED_RUNNERS = ("engine_runner.py", "blend_runner.py", "differential_runner.py",

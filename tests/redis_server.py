@@ -378,11 +378,14 @@ class RedisClusterServers:
 class LatencyProxy:
     """A TCP proxy on 127.0.0.1 that delivers each client->server chunk ``delay_s`` after
     it arrived (a network round trip of about ``delay_s``, not a per-chunk toll), so the
-    time of a call tells how many round trips it made."""
+    time of a call tells how many round trips it made. ``bytes_per_s``: the client's bytes
+    are also read no faster than that (a slow link, whatever the client's timeouts)."""
 
-    def __init__(self, target_port: int, delay_s: float) -> None:
+    def __init__(self, target_port: int, delay_s: float,
+                 bytes_per_s: float | None = None) -> None:
         self.target_port = target_port
         self.delay_s = delay_s
+        self.bytes_per_s = bytes_per_s
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind(("127.0.0.1", 0))
@@ -406,13 +409,14 @@ class LatencyProxy:
             self.connections += 1
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
             self._socks += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, self.delay_s),
-                             daemon=True).start()
+            threading.Thread(target=self._pump, daemon=True,
+                             args=(client, upstream, self.delay_s, self.bytes_per_s)).start()
             threading.Thread(target=self._pump, args=(upstream, client, 0.0),
                              daemon=True).start()
 
     @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket, delay_s: float) -> None:
+    def _pump(src: socket.socket, dst: socket.socket, delay_s: float,
+              bytes_per_s: float | None = None) -> None:
         chunks: queue.Queue = queue.Queue()
 
         def deliver() -> None:
@@ -436,12 +440,14 @@ class LatencyProxy:
         sender.start()
         while True:
             try:
-                data = src.recv(1 << 20)
+                data = src.recv(1 << 20 if bytes_per_s is None else 1 << 16)
             except OSError:
                 data = b""
             chunks.put((time.monotonic() + delay_s, data or None))
             if not data:
                 break
+            if bytes_per_s is not None:
+                time.sleep(len(data) / bytes_per_s)
 
     def close(self) -> None:
         self._stopped.set()

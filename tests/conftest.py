@@ -40,15 +40,16 @@ def engine_env(tmp: Path, multiprocess: bool = False) -> dict[str, str]:
                PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="INFO",
                VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # collective_rpc of test functions
     core = worker_core()
-    if core is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    if core is not None:  # one OpenMP thread: two engines' teams on 2 cores would throttle
+        env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=str(core))
     return env
 
 
 def worker_core() -> int | None:
-    """The core this pytest-xdist worker's engines compute on: one each. vLLM's automatic
-    binding would put every worker's engine on the same core (the one it does not
-    reserve), and the suite would run no faster in parallel."""
+    """The core this pytest-xdist worker's engines compute on: one each. An in-process
+    engine otherwise takes every core for its OpenMP team, and two such teams on 2 cores
+    spin-wait for each other (kvconnector/threads.py); vLLM's automatic binding (engines
+    in their own processes) would put every worker's engine on the same core."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if not worker.startswith("gw") or len(cores) < 2:

@@ -8,4 +8,5 @@ bash scripts/setup.sh
 # their engines (tests/conftest.py): an engine computes on one core and a test spends much
 # of its time starting engines, so two at once finish the suite sooner. "-n 0": one process.
 workers=$(( $(nproc) >= 2 ? 2 : 1 ))
-.venv/bin/python -m pytest -q -rs --durations=15 -n "$workers" --dist loadfile tests "$@"
+.venv/bin/python -m pytest -q -rs --durations=15 -n "$workers" --dist loadfile \
+  --no-loadscope-reorder tests "$@"

@@ -58,12 +58,13 @@ def worker_core() -> int | None:
 
 
 # Modules by how long they take (engines started, tokens computed), slowest first: a
-# parallel run hands each worker whole modules in this order, and one that started last
-# would keep its worker busy after the other had run out of work.
-SLOW_MODULES = ("test_mistral7b", "test_tensor_parallel", "test_differential",
-                "test_blend_engine", "test_smollm2", "test_disk_engine", "test_engine",
-                "test_operations", "test_redis_engine", "test_multiprocess", "test_server",
-                "test_lifecycle", "test_redis_faults")
+# parallel run hands each worker whole modules in this order (scripts/test.sh turns off
+# xdist's own order, by number of tests), and one that started last would keep its worker
+# busy after the other had run out of work.
+SLOW_MODULES = ("test_mistral7b", "test_differential", "test_smollm2", "test_tensor_parallel",
+                "test_blend_engine", "test_disk_engine", "test_engine", "test_operations",
+                "test_redis_engine", "test_multiprocess", "test_server", "test_lifecycle",
+                "test_redis_faults")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -185,7 +185,10 @@ def test_shutdown_is_bounded_with_puts_queued_for_a_slow_redis(tiny_model, tmp_p
     of up to 16 chunks (2 MiB here) over a link of 256 KiB/s: about 2 chunks a second
     leave while 16 prompts queue 64, so more than two batches wait at shutdown, more than
     the 1 s budget can send, however fast the engine ran. (A round trip of 1.2 s instead
-    let a slowed engine's Redis catch up: a batch held all that was left, none dropped.)"""
+    let a slowed engine's Redis catch up: a batch held all that was left, none dropped.)
+    On a loaded machine a batch can also outlast the client's 2 s timeout: Redis then backs
+    off and the queued puts are skipped as failed rather than dropped, also within the
+    bound and also not flushed, so the test counts what reached Redis."""
     with RedisServer() as server, \
             LatencyProxy(server.port, delay_s=0.05, bytes_per_s=256 << 10) as proxy:
         res = run_engine(tmp_path_factory.mktemp("faults-shutdown"), {
@@ -193,8 +196,9 @@ def test_shutdown_is_bounded_with_puts_queued_for_a_slow_redis(tiny_model, tmp_p
                                                "redis_url": proxy.url},
             "steps": [{"op": "generate", "prompts": [prompt(330 + i, 1100) for i in range(16)],
                        "max_tokens": 2},
-                      {"op": "shutdown_connector"}]}, timeout=TIMEOUT_S)
-    shutdown = res[1]
+                      {"op": "totals"}, {"op": "shutdown_connector"}]}, timeout=TIMEOUT_S)
+        stored = [k for k in server.client().scan_iter() if b":fp:" not in k]
+    totals, shutdown = res[1], res[2]
     assert shutdown["queued"] > 32, "the test needs more than two batches queued"
     assert shutdown["seconds"] < 4, shutdown  # the bound is the feature (seconds more unbounded)
-    assert shutdown["dropped"] >= 1, shutdown
+    assert len(stored) < totals["saved_chunks"], (len(stored), totals, shutdown)

@@ -379,7 +379,8 @@ class LatencyProxy:
     """A TCP proxy on 127.0.0.1 that delivers each client->server chunk ``delay_s`` after
     it arrived (a network round trip of about ``delay_s``, not a per-chunk toll), so the
     time of a call tells how many round trips it made. ``bytes_per_s``: the client's bytes
-    are also read no faster than that (a slow link, whatever the client's timeouts)."""
+    are also read no faster than that (a slow link; a large write can then outlast the
+    client's socket timeout)."""
 
     def __init__(self, target_port: int, delay_s: float,
                  bytes_per_s: float | None = None) -> None:

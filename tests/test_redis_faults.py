@@ -184,8 +184,9 @@ def test_shutdown_is_bounded_with_puts_queued_for_a_slow_redis(tiny_model, tmp_p
     slow Redis are dropped after a bounded time, not flushed in full. Puts go in batches
     of up to 16 chunks (2 MiB here) over a link of 256 KiB/s: about 2 chunks a second
     leave while 16 prompts queue 64, so more than two batches wait at shutdown, more than
-    the 1 s budget can send, however fast the engine ran. (A round trip of 1.2 s instead
-    let a slowed engine's Redis catch up: a batch held all that was left, none dropped.)
+    the 1 s budget can send, however fast the engine ran. (With a round trip of 1.2 s
+    instead, nothing was dropped once under load: probably a slowed engine let Redis catch
+    up until one batch held all that was left; the counts of that run were not kept.)
     On a loaded machine a batch can also outlast the client's 2 s timeout: Redis then backs
     off and the queued puts are skipped as failed rather than dropped, also within the
     bound and also not flushed, so the test counts what reached Redis."""

@@ -11,6 +11,7 @@ import time
 from dataclasses import fields
 from types import SimpleNamespace
 
+import pytest
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput
@@ -18,6 +19,7 @@ from vllm.v1.request import RequestStatus
 
 from kvconnector import compat
 from kvconnector.blend.config import REQUEST_KEYS, BlendConfig
+from kvconnector.blend.families import BlendUnsupported
 from kvconnector.blend.plan import BlendJob
 from kvconnector.blend.segments import documents
 from kvconnector.config import ConnectorConfig
@@ -35,7 +37,7 @@ FP = Fingerprint(model="m", revision="", model_config_digest="d", dtype="float32
 DOC_A, DOC_B = prompt(11, 150), prompt(12, 150)  # 3 pieces of 63 tokens each
 
 
-def blend_half(monkeypatch, slots: int = 64, **extra) -> SchedulerHalf:
+def blend_half(monkeypatch, slots: int = 64, tp: int = 1, **extra) -> SchedulerHalf:
     monkeypatch.setattr(compat, "fingerprint", lambda *a: FP)
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=256, kv_cache_tensors=[],
@@ -44,7 +46,7 @@ def blend_half(monkeypatch, slots: int = 64, **extra) -> SchedulerHalf:
                             hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]),
                             get_num_layers=lambda parallel: LAYERS)
     vllm_config = SimpleNamespace(
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
         lora_config=None, cache_config=SimpleNamespace(cache_dtype="auto"), model_config=model)
     chunk_bytes = LAYERS * spec.real_page_size_bytes * CHUNK // BS
     config = ConnectorConfig.from_extra_config({
@@ -102,6 +104,16 @@ OVERRIDES = {"blend_strategy": ("strategy", "cacheblend"),
              "blend_group_tokens": ("group_tokens", 4)}
 # Keys that decide whether a request is blended rather than how.
 NOT_IN_JOB = {"blend", "blend_min_tokens"}
+
+
+def test_blend_refuses_tensor_parallelism_at_start_up(monkeypatch):
+    """The scheduler half is built at engine start; test_compat.py checks the reason on real
+    vLLM configs, test_blend_engine.py that a refusal ends an engine's start."""
+    with pytest.raises(BlendUnsupported) as e:
+        blend_half(monkeypatch, tp=2)
+    assert "blend is on but cannot serve this engine" in str(e.value)
+    assert "tensor parallelism (TP=2) is not supported yet" in str(e.value)
+    assert "Set blend to false" in str(e.value)
 
 
 def test_every_per_request_blend_key_is_covered_here():

@@ -48,6 +48,24 @@ def test_sleep_mode_is_refused_at_start_up(tiny_model):
         compat.check_sleep_mode(VllmConfig(model_config=model_config))
 
 
+@pytest.mark.parametrize(("part", "value", "reason"), [
+    ("parallel_config", {"tensor_parallel_size": 2},
+     "tensor parallelism (TP=2) is not supported yet"),
+    ("parallel_config", {"pipeline_parallel_size": 2},
+     "pipeline parallelism (PP=2) is not supported"),
+    ("cache_config", {"cache_dtype": "fp8"}, "the KV cache dtype fp8 differs from the model dtype"),
+])
+def test_blend_names_what_it_cannot_serve_from_vllms_own_config(tiny_model, part, value, reason):
+    """Real vLLM configs, built as an engine builds them, without starting one."""
+    from vllm.config import CacheConfig, ModelConfig, ParallelConfig, VllmConfig
+
+    model_config = ModelConfig(model=tiny_model)
+    assert compat.blend_unsupported_reason(VllmConfig(model_config=model_config)) is None
+    kinds = {"parallel_config": ParallelConfig, "cache_config": CacheConfig}
+    config = VllmConfig(model_config=model_config, **{part: kinds[part](**value)})
+    assert compat.blend_unsupported_reason(config) == reason
+
+
 def test_hits_are_labelled_host_memory_disk_and_external():
     labels = compat.hit_source_labels()
     assert {tier: label.value for tier, label in labels.items()} == {

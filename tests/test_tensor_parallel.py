@@ -93,12 +93,3 @@ def test_an_engine_of_another_tp_size_never_loads_these_shards(runs, baseline):
     assert tp1[0][0]["cached"] == 0
     # Not even tried: a load refused by its header check would count a load error.
     assert tp1[1].get("redis_loaded_chunks", 0) == 0 and tp1[1].get("load_errors", 0) == 0
-
-
-def test_blend_refuses_tp2_at_start_up(tiny_model, tmp_path_factory):
-    with pytest.raises(RuntimeError) as e:
-        run_engine(tmp_path_factory.mktemp("tp-blend"), {
-            **TP2, "model": tiny_model, "connector": {"blend": True}, "steps": []},
-            timeout=TIMEOUT_S)
-    assert "blend is on but cannot serve this engine" in str(e.value)
-    assert "tensor parallelism (TP=2) is not supported yet" in str(e.value)

@@ -114,12 +114,14 @@ def _tokenizer_config() -> dict:
     }
 
 
-def _model_config(num_layers: int, intermediate_size: int) -> dict:
+def _model_config(num_layers: int, intermediate_size: int, hidden_size: int) -> dict:
     m = MISTRAL_7B
-    return {
+    # head_dim written out: with a narrower residual stream it is no longer hidden / heads.
+    head_dim = {} if hidden_size == m.hidden_size else {"head_dim": m.head_dim}
+    return {**head_dim,
         "architectures": ["MistralForCausalLM"], "model_type": "mistral",
         "attention_dropout": 0.0, "bos_token_id": m.bos_token_id, "eos_token_id": m.eos_token_id,
-        "hidden_act": "silu", "hidden_size": m.hidden_size, "initializer_range": 0.02,
+        "hidden_act": "silu", "hidden_size": hidden_size, "initializer_range": 0.02,
         "intermediate_size": intermediate_size,
         "max_position_embeddings": m.max_position_embeddings,
         "num_attention_heads": m.num_attention_heads, "num_hidden_layers": num_layers,
@@ -181,25 +183,27 @@ def _write_weights(path: Path, cfg: dict, seed: int) -> None:
 
 
 def build_mistral_standin(path: str | os.PathLike, *, num_layers: int = 2,
-                          intermediate_size: int = 1024, weights: bool = True,
+                          intermediate_size: int = 1024,
+                          hidden_size: int = MISTRAL_7B.hidden_size, weights: bool = True,
                           seed: int = 0) -> Path:
     """Write the stand-in to ``path`` (reused if already complete) and return it.
 
     Without ``weights`` only config and tokenizer are written: load it with vLLM's
-    ``load_format="dummy"`` to get an engine of that geometry without a weights file."""
+    ``load_format="dummy"`` to get an engine of that geometry without a weights file.
+    A smaller ``hidden_size`` keeps the KV geometry (32 query and 8 KV heads of 128) and
+    shrinks every projection: the KV cache and its chunks are the same size."""
     path = Path(path)
     marker = path / "kvconnector-standin.json"
     want = {"num_layers": num_layers, "intermediate_size": intermediate_size,
-            "weights": weights, "seed": seed, "format": _FORMAT}
+            "hidden_size": hidden_size, "weights": weights, "seed": seed, "format": _FORMAT}
     with build_once(marker, want) as needed:
         if needed:
-            _build(path, num_layers, intermediate_size, weights, seed)
+            _build(path, _model_config(num_layers, intermediate_size, hidden_size), weights,
+                   seed)
     return path
 
 
-def _build(path: Path, num_layers: int, intermediate_size: int, weights: bool,
-           seed: int) -> None:
-    cfg = _model_config(num_layers, intermediate_size)
+def _build(path: Path, cfg: dict, weights: bool, seed: int) -> None:
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     (path / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": MISTRAL_7B.bos_token_id, "eos_token_id": MISTRAL_7B.eos_token_id},
@@ -209,7 +213,7 @@ def _build(path: Path, num_layers: int, intermediate_size: int, weights: bool,
         _write_weights(path, cfg, seed)
     else:
         (path / "model.safetensors").unlink(missing_ok=True)
-    logger.info("built Mistral-7B stand-in (%d layers) at %s", num_layers, path)
+    logger.info("built Mistral-7B stand-in (%d layers) at %s", cfg["num_hidden_layers"], path)
 
 
 _SENTENCES = (
@@ -248,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="decoder layers (32 = Mistral-7B's full KV geometry)")
     p.add_argument("--intermediate-size", type=int, default=1024,
                    help=f"MLP width (Mistral-7B: {MISTRAL_7B.intermediate_size})")
+    p.add_argument("--hidden-size", type=int, default=MISTRAL_7B.hidden_size,
+                   help="residual stream width; the KV geometry does not depend on it")
     p.add_argument("--no-weights", action="store_true",
                    help="config and tokenizer only; load with load_format=dummy")
     p.add_argument("--seed", type=int, default=0)
@@ -255,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     build_mistral_standin(args.path, num_layers=args.layers,
                           intermediate_size=args.intermediate_size,
-                          weights=not args.no_weights, seed=args.seed)
+                          hidden_size=args.hidden_size, weights=not args.no_weights, seed=args.seed)
 
 
 if __name__ == "__main__":

@@ -116,9 +116,7 @@ def _tokenizer_config() -> dict:
 
 def _model_config(num_layers: int, intermediate_size: int, hidden_size: int) -> dict:
     m = MISTRAL_7B
-    # head_dim written out: with a narrower residual stream it is no longer hidden / heads.
-    head_dim = {} if hidden_size == m.hidden_size else {"head_dim": m.head_dim}
-    return {**head_dim,
+    cfg = {
         "architectures": ["MistralForCausalLM"], "model_type": "mistral",
         "attention_dropout": 0.0, "bos_token_id": m.bos_token_id, "eos_token_id": m.eos_token_id,
         "hidden_act": "silu", "hidden_size": hidden_size, "initializer_range": 0.02,
@@ -129,6 +127,9 @@ def _model_config(num_layers: int, intermediate_size: int, hidden_size: int) -> 
         "rope_theta": m.rope_theta, "sliding_window": None, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": m.vocab_size,
     }
+    if hidden_size != m.hidden_size:  # head_dim is no longer hidden / heads: written out
+        cfg["head_dim"] = m.head_dim
+    return cfg
 
 
 def _write_tokenizer(path: Path) -> None:
@@ -261,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     build_mistral_standin(args.path, num_layers=args.layers,
                           intermediate_size=args.intermediate_size,
-                          hidden_size=args.hidden_size, weights=not args.no_weights, seed=args.seed)
+                          hidden_size=args.hidden_size, weights=not args.no_weights,
+                          seed=args.seed)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ exact KV geometry, prompts of real text and chat turns.
 By default they run on the stand-in (``kvconnector/standin.py``: the real tokenizer, chat
 template and attention geometry with random weights and 2 layers) and, for the size checks, on
 the stand-in with all 32 layers (weights from vLLM's dummy loader, and a residual stream of
-1024 rather than 4096: the KV geometry does not depend on it, and each of its forward passes
-is three times cheaper). With
+1024 rather than 4096: the KV geometry does not depend on it, and its forward passes take
+about a third of the multiply-adds). With
 ``KVCONNECTOR_MISTRAL_7B=/path/to/Mistral-7B-Instruct-v0.2`` every test runs on the real weights
 as well (a GPU machine with vLLM for CUDA; ``scripts/gpu_check.sh`` sets it).
 

@@ -19,6 +19,12 @@ from kvconnector.blend.rope import ReRotator, RopeUnsupported
 class BlendUnsupported(ValueError):
     """The model (or engine setting) cannot be blended; the message says why."""
 
+    @classmethod
+    def refusing(cls, reason: object) -> BlendUnsupported:
+        """The error that ends an engine's start: what it cannot do, and the way out."""
+        return cls(f"kvconnector: blend is on but cannot serve this engine: {reason}. "
+                   "Set blend to false to serve it with prefix reuse only.")
+
 
 @dataclass(frozen=True)
 class Geometry:

@@ -61,9 +61,7 @@ class BlendScheduler:
         self.stats = stats
         reason = compat.blend_unsupported_reason(vllm_config)
         if reason is not None:
-            raise BlendUnsupported(f"kvconnector: blend is on but cannot serve this engine: "
-                                   f"{reason}. Set blend to false to serve it with prefix "
-                                   "reuse only.")
+            raise BlendUnsupported.refusing(reason)
         if self.config.separator_ids is not None:
             self.separator = list(self.config.separator_ids)
         else:

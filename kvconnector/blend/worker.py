@@ -64,9 +64,7 @@ class BlendWorker:
                 raise BlendUnsupported(reason)
             self.model = adapt(compat.loaded_model(vllm_config), vllm_config.model_config.dtype)
         except BlendUnsupported as e:
-            raise BlendUnsupported(f"kvconnector: blend is on but cannot serve this engine: "
-                                   f"{e}. Set blend to false to serve it with prefix reuse "
-                                   "only.") from None
+            raise BlendUnsupported.refusing(e) from None
         g = self.model.geometry
         if (g.num_kv_heads, g.head_size) != (spec.num_kv_heads, spec.head_size):
             raise BlendUnsupported(

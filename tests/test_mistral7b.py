@@ -3,9 +3,10 @@ exact KV geometry, prompts of real text and chat turns.
 
 By default they run on the stand-in (``kvconnector/standin.py``: the real tokenizer, chat
 template and attention geometry with random weights and 2 layers) and, for the size checks, on
-the stand-in with all 32 layers (weights from vLLM's dummy loader, and a residual stream of
-1024 rather than 4096: the KV geometry does not depend on it, and its forward passes take
-about a third of the multiply-adds). With
+the stand-in with all 32 layers (weights from vLLM's dummy loader). Both have a residual
+stream of 1024 rather than 4096: the KV geometry does not depend on it (32 query and 8 KV
+heads of 128 read and write the same KV cache), and a forward pass takes about a quarter of
+the multiply-adds, in bf16, which CPUs without bf16 units compute slowly. With
 ``KVCONNECTOR_MISTRAL_7B=/path/to/Mistral-7B-Instruct-v0.2`` every test runs on the real weights
 as well (a GPU machine with vLLM for CUDA; ``scripts/gpu_check.sh`` sets it).
 
@@ -43,6 +44,7 @@ KV_BYTES_PER_TOKEN_LAYER = 4096  # K and V x 8 KV heads x head_dim 128 x 2 bytes
 CHUNK_BYTES_7B = 32 << 20  # 32 layers x 256 tokens x 4 KiB
 TOKENIZER_SHA256 = "dadfd56d766715c61d2ef780a525ab43b8e6da4de6865bda3d95fdef5e134055"
 SLOTS = 32  # memory_capacity is set to this many chunks
+STANDIN_HIDDEN = 1024  # the stand-ins' residual stream (Mistral-7B: 4096)
 
 # Ids of the v1 sentencepiece model (sentencepiece itself gives these, BOS first).
 KNOWN_TEXT_IDS = {
@@ -88,6 +90,7 @@ class Target:
     path: str
     geometry_path: str  # a model with Mistral-7B's 32 layers
     geometry_load_format: str
+    hidden_size: int = 4096
 
     @property
     def layers(self) -> int:
@@ -112,10 +115,10 @@ def target(request) -> Target:
         if not path:
             pytest.skip(SKIP_REAL)
         return Target("mistral-7b", path, path, "auto")
-    standin = build_mistral_standin(CACHE / "mistral-7b-standin")
+    standin = build_mistral_standin(CACHE / "mistral-7b-standin-h1024", hidden_size=STANDIN_HIDDEN)
     full = build_mistral_standin(CACHE / "mistral-7b-standin-32l", num_layers=LAYERS_7B,
-                                 hidden_size=1024, weights=False)
-    return Target("standin", str(standin), str(full), "dummy")
+                                 hidden_size=STANDIN_HIDDEN, weights=False)
+    return Target("standin", str(standin), str(full), "dummy", STANDIN_HIDDEN)
 
 
 @pytest.fixture(scope="module")
@@ -270,9 +273,9 @@ def second_engine(target, run, redis, tmp_path_factory) -> dict:
 def test_config_has_mistral_7b_attention_geometry(target):
     cfg = json.loads((Path(target.path) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    assert (cfg["model_type"], cfg["hidden_size"], cfg["num_attention_heads"],
-            cfg["num_key_value_heads"], head_dim, cfg["vocab_size"]) == \
-        ("mistral", 4096, 32, 8, 128, 32000)
+    assert (cfg["model_type"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+            head_dim, cfg["vocab_size"]) == ("mistral", 32, 8, 128, 32000)
+    assert cfg["hidden_size"] == target.hidden_size
     assert cfg["rope_theta"] == 1e6 and cfg.get("sliding_window") is None
 
 

@@ -35,6 +35,12 @@ def tiny_mla_model() -> str:
 def engine_env(tmp: Path, multiprocess: bool = False) -> dict[str, str]:
     tmp.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
+    # vLLM compiles some ops with torch.compile even with enforce_eager (the vocabulary
+    # embedding under TP, for one). Its cache and the 150 MB header it precompiles first,
+    # even when the kernels are cached, live in TMPDIR: every engine (a fresh TMPDIR) spent
+    # about 20 s of a core compiling them again.
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE / "torchinductor"))
+    env.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
     env.update(TMPDIR=str(tmp), HF_HUB_OFFLINE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1",
                VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
                PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="INFO",

@@ -21,31 +21,31 @@ TIMEOUT_S = 300  # a request that never finishes ends the engine run here
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_model, tmp_path_factory):
-    res = run_engine(tmp_path_factory.mktemp("tp-base"), {
-        **TP2, "model": tiny_model, "connector": None,
-        "steps": [{"op": "generate", "prompts": [INTACT, DAMAGED]}]}, timeout=TIMEOUT_S)
-    return [r["tokens"] for r in res[0]]
-
-
-@pytest.fixture(scope="module")
 def runs(tiny_model, tmp_path_factory):
-    """A TP=2 engine stores both prompts (memory and Redis) and hits its memory; the test
-    damages rank 1's shard of DAMAGED's first chunk in Redis; a second TP=2 engine and a
-    TP=1 engine then ask Redis for both."""
+    """A TP=2 engine first computes both prompts as vLLM alone does (they opt out of the
+    connector: nothing loaded or stored), then stores both (memory and Redis) and hits its
+    memory; the test damages rank 1's shard of DAMAGED's first chunk in Redis; a second
+    TP=2 engine and a TP=1 engine then ask Redis for both.
+
+    The baseline is that first step rather than an engine without the connector: a TP=2
+    engine start costs about a minute on 2 cores (two worker processes import vLLM), and
+    an opted-out request's hooks do nothing (``test_engine.py`` checks it on one rank)."""
     with RedisServer() as server:
         extra = {"memory_capacity": "64MiB", "redis_url": server.url,
                  "redis_lookup_budget_ms": 10_000}
         writer = run_engine(tmp_path_factory.mktemp("tp-writer"), {
             **TP2, "model": tiny_model, "connector": extra, "steps": [
-                {"op": "generate", "prompts": [INTACT, DAMAGED]},  # 0
-                {"op": "generate", "prompts": [INTACT]},  # 1: memory hit
-                {"op": "totals"}, {"op": "flush"},  # 2, 3
-                {"op": "redis_keys", "prompts": [INTACT, DAMAGED], "rank": 0},  # 4
-                {"op": "redis_keys", "prompts": [INTACT, DAMAGED], "rank": 1}]},  # 5
+                {"op": "generate", "prompts": [INTACT, DAMAGED],
+                 "kv_transfer_params": {"kvconnector": False}},  # 0: vLLM alone's tokens
+                {"op": "totals"},  # 1
+                {"op": "generate", "prompts": [INTACT, DAMAGED]},  # 2: stores both
+                {"op": "generate", "prompts": [INTACT]},  # 3: memory hit
+                {"op": "totals"}, {"op": "flush"},  # 4, 5
+                {"op": "redis_keys", "prompts": [INTACT, DAMAGED], "rank": 0},  # 6
+                {"op": "redis_keys", "prompts": [INTACT, DAMAGED], "rank": 1}]},  # 7
             timeout=TIMEOUT_S)
         c = server.client()
-        rank0, rank1 = writer[4], writer[5]
+        rank0, rank1 = writer[6], writer[7]
         present = [bool(c.exists(k)) for keys in rank0 + rank1 for k in keys]
         c.set(rank1[1][0], c.get(rank1[0][0]))  # INTACT's shard under DAMAGED's key
         reader = run_engine(tmp_path_factory.mktemp("tp-reader"), {
@@ -59,12 +59,27 @@ def runs(tiny_model, tmp_path_factory):
         return writer, present, reader, tp1
 
 
+@pytest.fixture(scope="module")
+def baseline(runs) -> list[list[int]]:
+    """INTACT's and DAMAGED's tokens from vLLM alone (the writer's opted-out step)."""
+    return [r["tokens"] for r in runs[0][0]]
+
+
+def test_the_baseline_step_stayed_out_of_the_connector(runs):
+    writer = runs[0]
+    assert [r["cached"] for r in writer[0]] == [0, 0]
+    totals = writer[1]
+    assert all(totals.get(k, 0) == 0 for k in ("saved_chunks", "loaded_chunks",
+                                                 "redis_loaded_chunks")), totals
+    assert [r["cached"] for r in writer[2]] == [0, 0]  # nothing stored for the next step
+
+
 def test_each_rank_stores_its_shard_and_memory_hits_give_the_same_tokens(runs, baseline):
     writer, present, _, _ = runs
-    assert [r["tokens"] for r in writer[0]] == baseline
-    assert writer[1][0]["tokens"] == baseline[0]
-    assert writer[1][0]["cached"] == 640  # two full chunks and a partial one of one block
-    assert writer[2]["loaded_chunks"] == 2 * 3  # both ranks, three chunks each
+    assert [r["tokens"] for r in writer[2]] == baseline
+    assert writer[3][0]["tokens"] == baseline[0]
+    assert writer[3][0]["cached"] == 640  # two full chunks and a partial one of one block
+    assert writer[4]["loaded_chunks"] == 2 * 3  # both ranks, three chunks each
     assert all(present), "every chunk of both prompts in Redis, for both ranks"
 
 

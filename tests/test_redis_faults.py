@@ -189,17 +189,25 @@ def test_shutdown_is_bounded_with_puts_queued_for_a_slow_redis(tiny_model, tmp_p
     up until one batch held all that was left; the counts of that run were not kept.)
     On a loaded machine a batch can also outlast the client's 2 s timeout: Redis then backs
     off and the queued puts are skipped as failed rather than dropped, also within the
-    bound and also not flushed, so the test counts what reached Redis."""
-    with RedisServer() as server, \
-            LatencyProxy(server.port, delay_s=0.05, bytes_per_s=256 << 10) as proxy:
-        res = run_engine(tmp_path_factory.mktemp("faults-shutdown"), {
-            "model": tiny_model, "connector": {"memory_capacity": "64MiB",
-                                               "redis_url": proxy.url},
-            "steps": [{"op": "generate", "prompts": [prompt(330 + i, 1100) for i in range(16)],
-                       "max_tokens": 2},
-                      {"op": "totals"}, {"op": "shutdown_connector"}]}, timeout=TIMEOUT_S)
-        stored = [k for k in server.client().scan_iter() if b":fp:" not in k]
-    totals, shutdown = res[1], res[2]
-    assert shutdown["queued"] > 32, "the test needs more than two batches queued"
+    bound and also not flushed, so the test counts what reached Redis. When that timeout
+    comes before the shutdown, the puts are skipped before it and nothing is left queued
+    (one clean-clone run in about eight): the run is then repeated, up to three times."""
+    runs = []
+    for _ in range(3):
+        with RedisServer() as server, \
+                LatencyProxy(server.port, delay_s=0.05, bytes_per_s=256 << 10) as proxy:
+            res = run_engine(tmp_path_factory.mktemp("faults-shutdown"), {
+                "model": tiny_model, "connector": {"memory_capacity": "64MiB",
+                                                   "redis_url": proxy.url},
+                "steps": [{"op": "generate",
+                           "prompts": [prompt(330 + i, 1100) for i in range(16)],
+                           "max_tokens": 2},
+                          {"op": "totals"}, {"op": "shutdown_connector"}]}, timeout=TIMEOUT_S)
+            stored = [k for k in server.client().scan_iter() if b":fp:" not in k]
+        totals, shutdown = res[1], res[2]
+        runs.append((totals, shutdown))
+        if shutdown["queued"] > 32:
+            break
+    assert shutdown["queued"] > 32, ("the test needs more than two batches queued", runs)
     assert shutdown["seconds"] < 4, shutdown  # the bound is the feature (seconds more unbounded)
     assert len(stored) < totals["saved_chunks"], (len(stored), totals, shutdown)

@@ -8,9 +8,11 @@ import multiprocessing
 import os
 import platform
 import random
+import signal
 import sys
+import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -204,6 +206,27 @@ def rotated_order(names: list[str], engines: int) -> list[str]:
     return [t for e in range(engines) for t in names[e % len(names):] + names[:e % len(names)]]
 
 
+def _exit_on_sigterm() -> None:
+    """``kill`` stops a benchmark as Ctrl-C does, through its ``finally`` blocks (the
+    Redis servers it started, its engines' processes)."""
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+
+
+def _kill_tree(pid: int) -> None:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.Error:
+        return
+    for proc in procs:
+        with suppress(psutil.Error):
+            proc.kill()
+
+
 def _child(fn, args, kwargs, results) -> None:
     try:
         results.put(("ok", fn(*args, **kwargs)))
@@ -218,13 +241,21 @@ def in_fresh_process(fn, *args, **kwargs):
     Every engine configuration gets its own process: vLLM's CPU worker sets thread counts
     and core binding per process, and a second engine built in the same process was seen to
     get twice the cores of the first, which made any comparison between them meaningless.
+    A benchmark stopped meanwhile (Ctrl-C, ``kill``) takes the child and its engine's
+    processes with it: left behind, an engine core and its worker went on computing
+    through the next run (docs/benchmarks.md section 42).
     """
+    _exit_on_sigterm()
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     proc = ctx.Process(target=_child, args=(fn, args, kwargs, results))
     proc.start()
-    status, value = results.get()
-    proc.join()
+    try:
+        status, value = results.get()
+        proc.join()
+    except BaseException:
+        _kill_tree(proc.pid)
+        raise
     if status != "ok":
         raise RuntimeError(f"benchmark child failed: {value}")
     return value

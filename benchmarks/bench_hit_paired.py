@@ -132,6 +132,9 @@ def main() -> None:
                    help="also as many engines with floor_connector.py (the least a connector "
                         "does for a hit: from memory, and from Redis with a Redis tier), "
                         "paired with vLLM's own hit the same way")
+    p.add_argument("--whole-loads", action="store_true",
+                   help="kvconnector's loads whole before the forward (load_by_layer false), "
+                        "not layer by layer beside it")
     p.add_argument("--no-log-stats", dest="log_stats", action="store_false",
                    help="vLLM's stat loggers off (as LLM() has them by default): no phase "
                         "timers then")
@@ -151,6 +154,8 @@ def bench(args, disk_root: str | None) -> None:
     model, vocab = resolve_model(args)
     lengths = sorted(int(x) for x in args.lengths.split(","))
     extra = {"memory_capacity": args.memory_capacity}
+    if args.whole_loads:
+        extra["load_by_layer"] = False
     lower = "disk" if disk_root else "redis" if args.redis_url else None
     if args.redis_url:
         extra["redis_url"] = args.redis_url

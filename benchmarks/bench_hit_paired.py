@@ -35,6 +35,11 @@ hit time in the same engine; the ratio per length is the median over every promp
 engine's speed cancels out; what vLLM's connector machinery costs its own hit does not show
 here (``bench_peers.py --floors`` measures that between engines). Every hit's first token
 must equal vLLM's own hit's.
+
+With vLLM's stat loggers on (the default here), each hit's time to first token is also split
+at the engine core's timestamps (``common.ttft_stages``: submit, wait, step, output), and
+the report gives each stage's extra over vLLM's own hit of the same prompt: where a hit's
+extra lands, hooks or not.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import time
 from bench_peers import fill_disk, fill_redis
 from common import (
     ROOT,
+    STAGES,
     add_model_args,
     connector,
     connector_seconds,
@@ -60,6 +66,7 @@ from common import (
     redis_for,
     resolve_model,
     timed_generate,
+    ttft_stages,
     write_results,
 )
 
@@ -83,10 +90,12 @@ def run_engine(model: str, args, kvt: dict, prompts: dict[int, list[list[int]]],
 
         def hit(p: list[int]) -> dict:
             before = settle()
+            start = time.monotonic()
             secs, outs = timed_generate(llm, [p], 1)
+            split = ttft_stages(outs[0], start, time.monotonic())
             after = settle()
             return {"s": secs, "cached": outs[0].num_cached_tokens or 0,
-                    "token": outs[0].outputs[0].token_ids[0],
+                    "token": outs[0].outputs[0].token_ids[0], "stages": split,
                     "phases": {k: v - before.get(k, 0.0) for k, v in after.items()
                                if v - before.get(k, 0.0) > 0}}
 
@@ -217,6 +226,8 @@ def report(args, model: str, lengths: list[int], tiers: list[str],
                                                       for t in loaded}
     differ: list[str] = []
     short: list[str] = []  # hits that loaded less than vLLM's own hit held: not hits
+    stage_extra: dict[str, dict[int, list[list[float]]]] = {t: {n: [] for n in lengths}
+                                                            for t in loaded}
     for e, runs in enumerate(engines):
         for n in lengths:
             recs = runs[n]
@@ -225,6 +236,10 @@ def report(args, model: str, lengths: list[int], tiers: list[str],
             for t in loaded:
                 if t not in recs[0]:
                     continue  # kvconnector's engines, ExampleConnector's or the floor's
+                stage_extra[t][n] += [[a - b for a, b in zip(r[t]["stages"], r["vllm"]["stages"],
+                                                             strict=True)]
+                                      for r in recs if r[t].get("stages") and r["vllm"].get(
+                                          "stages")]
                 mine = [r[t]["s"] / r["vllm"]["s"] for r in recs]
                 ratios[t][n] += mine
                 by_engine[t][n].append(mine)
@@ -269,13 +284,24 @@ def report(args, model: str, lengths: list[int], tiers: list[str],
             if not parts:
                 continue  # ExampleConnector and the floor have no phase timers
             print(f"  {t}, {n} tokens: " + ", ".join(f"{k} {v * 1000:.2f}" for k, v in parts))
+    stage_ms = {t: {n: [statistics.median(d[j] for d in stage_extra[t][n]) * 1000
+                        for j in range(len(STAGES))]
+                    for n in lengths if stage_extra[t][n]} for t in loaded}
+    if any(stage_ms.values()):
+        print("where the extra time lands: a hit's stage minus that of vLLM's own hit of the "
+              "same prompt, ms (median over hits)")
+        print(f"{'tier':>12} {'tokens':>7} " + " ".join(f"{s:>8}" for s in STAGES))
+        for t in loaded:
+            for n, row in stage_ms[t].items():
+                print(f"{t:>12} {n:>7} " + " ".join(f"{x:>+8.3f}" for x in row))
     out = write_results(args.out, "hit_paired", {
         "model": model, "dtype": args.dtype, "lengths": lengths, "prompts": args.prompts,
         "engines": len(engines), "pause_s": args.pause, "key_mirror": args.key_mirror,
         "redis_cpus": getattr(args, "redis_cpus_used", None),
         "ratio_median": med, "ratio_median_interval_90": interval,
         "ratio_per_engine": per_engine, "ratios": ratios,
-        "seconds": secs, "phases_per_hit_s": phases, "tokens_differ": differ,
+        "seconds": secs, "phases_per_hit_s": phases, "stages": list(STAGES),
+        "stage_extra_ms": stage_ms, "tokens_differ": differ,
         "loaded_less": short})
     print(f"results: {out}")
     ratio_plot(args.plot or out.with_suffix(".png"), lengths,

@@ -42,6 +42,7 @@ import time
 
 from common import (
     ROOT,
+    STAGES,
     add_model_args,
     chunk_bytes,
     engine,
@@ -54,24 +55,12 @@ from common import (
     resolve_model,
     rotated_order,
     tier_connectors,
+    ttft_stages,
     write_results,
 )
 
 GOAL = 1.03
 KINDS = ("kvconnector", "opted out")
-STAGES = ("submit", "wait", "step", "output")
-
-
-def stages(out, start: float, end: float) -> list[float] | None:
-    """A request's TTFT split at the engine core's timestamps (time.monotonic, one clock
-    for every process here); None without vLLM's request stats."""
-    m = getattr(out, "metrics", None)
-    if m is None or not getattr(m, "first_token_ts", 0.0):
-        return None
-    return [m.queued_ts - start, m.scheduled_ts - m.queued_ts,
-            m.first_token_ts - m.scheduled_ts, end - m.first_token_ts]
-
-
 def run_engine(model: str, args, kvt: dict, lengths: list[int], seed: int,
                vocab: int) -> dict:
     """Per length and kind, the TTFT of every request but the first of each block (and
@@ -102,7 +91,7 @@ def run_engine(model: str, args, kvt: dict, lengths: list[int], seed: int,
                         assert (outs[0].num_cached_tokens or 0) == 0, "a new prompt hit a cache"
                         if i:
                             out[n][kind].append(end - start)
-                            if (split := stages(outs[0], start, end)) is not None:
+                            if (split := ttft_stages(outs[0], start, end)) is not None:
                                 out[n][f"{kind} stages"].append(split)
     return out
 

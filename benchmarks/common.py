@@ -287,6 +287,21 @@ def timed_generate(llm, prompts: list[list[int]], max_tokens: int):
     return time.perf_counter() - start, outs
 
 
+STAGES = ("submit", "wait", "step", "output")
+
+
+def ttft_stages(out, start: float, end: float) -> list[float] | None:
+    """A request's TTFT split at the engine core's timestamps (``time.monotonic``, one clock
+    for every process here): submit (to the engine core's queue), wait (to being scheduled),
+    step (to its first token), output (back to the caller); None without vLLM's request
+    stats (its stat loggers off)."""
+    m = getattr(out, "metrics", None)
+    if m is None or not getattr(m, "first_token_ts", 0.0):
+        return None
+    return [m.queued_ts - start, m.scheduled_ts - m.queued_ts,
+            m.first_token_ts - m.scheduled_ts, end - m.first_token_ts]
+
+
 def connector_seconds() -> dict[str, float]:
     """The connector's own timers so far, from this process's Prometheus registry (where
     vLLM records an offline engine's stats; ``LLM.get_metrics`` rounds counters down to

@@ -38,16 +38,32 @@ from kvconnector.worker_store import WorkerStore
 
 logger = logging.getLogger("kvconnector.layer_loads")
 
-# Layer groups per load: the forward waits for the first one; each is one round trip.
+# Layer groups per load, at most: each is one round trip to Redis.
 GROUPS = 10
 
 Failure = tuple[ChunkTransfer, str]
 Arriving = tuple[ChunkTransfer, Head, memoryview]  # a chunk, its header, its slot's bytes
 
 
-def layer_groups(num_layers: int, groups: int = GROUPS) -> list[tuple[int, int]]:
-    size = max(1, -(-num_layers // groups))
-    return [(k, min(num_layers, k + size)) for k in range(0, num_layers, size)]
+def layer_groups(num_layers: int, groups: int = GROUPS,
+                 growing: bool = False) -> list[tuple[int, int]]:
+    """Groups of equal size, or with ``growing`` of 1, 2, 3, ... layers (the last takes what
+    is left). A copy from memory outruns the forward, so it goes in growing groups: the
+    forward waits for the first layer only (a SmolLM2 8k-token memory hit: 1.013x vLLM's own
+    against 1.060x in groups of three, whose first kept the forward waiting 5.2 ms). A fetch
+    from Redis is slower than the forward, which then waits for each group: groups that
+    grow made it wait for the big last ones (1.429x against 1.260x; docs/benchmarks.md
+    section 43)."""
+    if not growing:
+        size = max(1, -(-num_layers // groups))
+        return [(k, min(num_layers, k + size)) for k in range(0, num_layers, size)]
+    out: list[tuple[int, int]] = []
+    first = 0
+    while first < num_layers:
+        size = len(out) + 1 if len(out) < groups - 1 else num_layers - first
+        out.append((first, min(num_layers, first + size)))
+        first = out[-1][1]
+    return out
 
 
 class LayerLoads:
@@ -155,7 +171,7 @@ class LayerLoads:
         deadline = time.monotonic() + (self._redis.redis.timeout_s if self._redis else 0.0)
         arriving, lost = self._heads(ranged, deadline)
         copy_s = 0.0
-        for first, last in layer_groups(self._num_layers):
+        for first, last in layer_groups(self._num_layers, growing=not ranged):
             arriving, gone = self._ranges(arriving, first, last, deadline)
             lost |= gone
             if first == 0 or gone:

@@ -113,11 +113,14 @@ def parts(server, request):
     p.redis.close()
 
 
-def test_groups_cover_every_layer_once():
+@pytest.mark.parametrize("growing", [False, True], ids=["redis", "memory"])
+def test_groups_cover_every_layer_once(growing):
     for n in (1, 2, 9, 10, 11, 30, 64):
-        groups = layer_groups(n)
+        groups = layer_groups(n, growing=growing)
         assert [k for a, b in groups for k in range(a, b)] == list(range(n))
         assert len(groups) <= 10
+        if growing:  # a load from memory: the forward waits for its first layer only
+            assert groups[0] == (0, 1)
 
 
 def test_each_layer_waited_for_holds_its_bytes_and_the_chunks_are_sealed(parts):

@@ -49,8 +49,8 @@ def layer_groups(num_layers: int, groups: int = GROUPS,
                  growing: bool = False) -> list[tuple[int, int]]:
     """Groups of equal size, or with ``growing`` of 1, 2, 3, ... layers (the last takes what
     is left). A copy from memory outruns the forward, so it goes in growing groups: the
-    forward waits for the first layer only (a SmolLM2 8k-token memory hit: 1.013x vLLM's own
-    against 1.060x in groups of three, whose first kept the forward waiting 5.2 ms). A fetch
+    forward waits for the first layer only (a SmolLM2 8k-token memory hit waited 1.3 ms for
+    layers, against 5.2 ms for the first group of three; 1.033x vLLM's own against 1.060x). A fetch
     from Redis is slower than the forward, which then waits for each group: groups that
     grow made it wait for the big last ones (1.429x against 1.260x; docs/benchmarks.md
     section 43)."""

@@ -196,8 +196,15 @@ def test_redis_gone_mid_load_ends_the_load_and_fails_its_chunks(server, request)
     assert not p.layers[LAYERS - 1].any()
 
 
-def test_a_load_from_memory_alone_goes_layer_by_layer_too(parts):
-    """Without Redis (the chunks already in memory slots), layer by layer is only the copy."""
+def test_a_load_from_memory_alone_goes_layer_by_layer_too(parts, monkeypatch):
+    """Without Redis (the chunks already in memory slots), layer by layer is only the copy,
+    in growing groups: the forward waits for the first layer alone."""
+    from kvconnector import layer_loads
+
+    asked: list[bool] = []
+    groups = layer_loads.layer_groups
+    monkeypatch.setattr(layer_loads, "layer_groups", lambda n, growing=False: (
+        asked.append(growing) or groups(n, growing=growing)))
     for t in parts.transfers:  # what the reader's Redis load would have left in its slots
         assert parts.store.fetch([(t.slot, t.chunk_hash, "redis", 0)]) is None
         parts.store.read(t.slot, t.chunk_hash)
@@ -215,6 +222,7 @@ def test_a_load_from_memory_alone_goes_layer_by_layer_too(parts):
             memory.wait(name)
             seen.append(torch.equal(parts.layers[i], parts.want[i]))
         assert memory.finish() == [] and all(seen)
+        assert asked == [True]
     finally:
         memory.close()
 

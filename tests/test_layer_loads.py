@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import faulthandler
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -137,6 +138,55 @@ def test_each_layer_waited_for_holds_its_bytes_and_the_chunks_are_sealed(parts):
     totals = parts.ledger.totals.data
     assert totals["layer_loads"] == 1 and totals["redis_loaded_chunks"] == 3
     assert totals["loaded_chunks"] == 3 and totals["redis_misses"] == 0
+
+
+def _copy_threads(loads: LayerLoads) -> list[int]:
+    """Records the thread of every layer-group copy the load makes."""
+    seen: list[int] = []
+    copier = loads._copier
+    scatter = copier.layer_scatter
+
+    def layer_scatter(pool, runs):
+        copy = scatter(pool, runs)
+
+        def recorded(first: int, last: int) -> None:
+            seen.append(threading.get_ident())
+            copy(first, last)
+        return recorded
+    copier.layer_scatter = layer_scatter
+    return seen
+
+
+@pytest.mark.parametrize("forward_waits", [True, False], ids=["forward-waits", "loader-ahead"])
+def test_a_group_is_copied_by_the_forward_when_it_waits_for_it(parts, forward_waits):
+    """A forward that waits for a group's bytes copies them itself, and the loader goes on
+    fetching; a loader ahead of the forward copies every group (layer_loads.py)."""
+    seen = _copy_threads(parts.loads)
+    ranges = parts.loads._ranges
+    parts.loads._ranges = lambda *a: (time.sleep(0.05 if forward_waits else 0), ranges(*a))[1]
+    parts.loads.start(parts.transfers)
+    if not forward_waits:
+        parts.loads._job.result()  # every group fetched and copied
+    for name in NAMES:
+        parts.loads.wait(name)
+    assert parts.loads.finish() == []
+    assert all(torch.equal(a, b) for a, b in zip(parts.layers, parts.want, strict=True))
+    me = threading.get_ident()
+    assert len(seen) == len(layer_groups(LAYERS))
+    assert set(seen) == {me} if forward_waits else me not in seen
+    copied = parts.ledger.totals.data.get("phase_seconds.load_copy_forward", 0.0)
+    assert (copied > 0) is forward_waits
+
+
+def test_a_copy_that_fails_on_the_forwards_thread_fails_the_load_not_the_step(parts):
+    def broken(pool, runs):
+        def copy(first: int, last: int) -> None:
+            raise RuntimeError("copy broke")
+        return copy
+    parts.loads._copier.layer_scatter = broken
+    failed = parts.forward()  # every wait returns
+    assert sorted((t.index, why) for t, why in failed) == [(0, "error"), (1, "error"),
+                                                          (2, "error")]
 
 
 def test_a_payload_damaged_in_its_last_layer_is_reported_after_the_forward(server, parts):

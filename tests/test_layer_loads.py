@@ -178,13 +178,26 @@ def test_a_group_is_copied_by_the_forward_when_it_waits_for_it(parts, forward_wa
     assert (copied > 0) is forward_waits
 
 
-def test_a_copy_that_fails_on_the_forwards_thread_fails_the_load_not_the_step(parts):
+@pytest.mark.parametrize("forward_waits", [True, False], ids=["forward-waits", "loader-ahead"])
+def test_a_copy_that_fails_fails_the_load_not_the_step(parts, forward_waits):
+    """On the forward's thread (it waits for every group) or on the loader's."""
+    threads_seen: list[int] = []
+
     def broken(pool, runs):
         def copy(first: int, last: int) -> None:
+            threads_seen.append(threading.get_ident())
             raise RuntimeError("copy broke")
         return copy
     parts.loads._copier.layer_scatter = broken
-    failed = parts.forward()  # every wait returns
+    ranges = parts.loads._ranges
+    parts.loads._ranges = lambda *a: (time.sleep(0.05 if forward_waits else 0), ranges(*a))[1]
+    parts.loads.start(parts.transfers)
+    if not forward_waits:
+        parts.loads._job.result()
+    for name in NAMES:
+        parts.loads.wait(name)  # returns, whichever thread's copy broke
+    failed = parts.loads.finish()
+    assert (threading.get_ident() in threads_seen) is forward_waits
     assert sorted((t.index, why) for t, why in failed) == [(0, "error"), (1, "error"),
                                                           (2, "error")]
 

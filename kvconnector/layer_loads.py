@@ -16,7 +16,7 @@ when its bytes are in: then the forward copies it instead of idling, and the loa
 to fetch the next group. For a SmolLM2 8k-token Redis hit the loader's core did the fetch
 (~180 ms) and every copy (~35 ms), more than the ~190 ms forward, which waited ~40 ms for
 layers. Every copy made on the forward made that hit slower (1.42x vLLM's own hit, against
-1.28x); shared this way, the forward waited 2.5-8 ms less in each of three paired runs,
+section 43's 1.28x); shared this way, the forward waited 2.5-8 ms less in each of three paired runs,
 though the hit's time was about the same (docs/benchmarks.md section 44).
 
 The bytes are used before they are verified: each chunk's checksum (or MAC) is checked once
@@ -202,9 +202,7 @@ class LayerLoads:
             return self._load_layers(transfers, groups)
         finally:
             for g in groups:  # the forward never waits on a load that has ended
-                if not g.arrived.is_set():  # never reached: nothing to copy
-                    g.copy = None
-                    g.arrived.set()
+                g.arrived.set()  # one never reached has no copy: its wait only marks it ready
 
     def _load_layers(self, transfers: list[ChunkTransfer], groups: list[Group]
                      ) -> list[Failure]:

@@ -19,8 +19,10 @@ per-call times include the cold caches each call meets after a forward pass.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import os
+import pstats
 import random
 import statistics
 import time
@@ -41,16 +43,55 @@ SCHEDULER_CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "bu
                    "update_connector_output", "request_finished")
 WORKER_CALLS = ("load",)  # the copy's share of it is timed apart
 CALLS = (*SCHEDULER_CALLS, *WORKER_CALLS)
+HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+         "update_connector_output", "request_finished", "get_kv_connector_stats",
+         "get_external_cache_hit_sources", "take_events", "has_pending_push_work",
+         "bind_connector_metadata", "handle_preemptions", "start_load_kv",
+         "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
+         "get_block_ids_with_load_errors", "build_connector_worker_meta")
 
 
-def _timed(calls: dict[str, list[float]], name: str, fn):
+class Profile:
+    """cProfile over kvconnector's calls of the memory hits only (``--profile``)."""
+
+    def __init__(self) -> None:
+        self.on = False  # during a memory hit
+        self.depth = 0  # calls within calls (the copy runs inside the load)
+        self.profiler = cProfile.Profile()
+
+    def enter(self) -> None:
+        if self.on and self.depth == 0:
+            self.profiler.enable()
+        self.depth += 1
+
+    def leave(self) -> None:
+        self.depth -= 1
+        if self.on and self.depth == 0:
+            self.profiler.disable()
+
+    def top(self, hits: int, rows: int = 30) -> list[dict]:
+        """The functions that took most of the hits' time in themselves, per hit."""
+        stats = pstats.Stats(self.profiler)
+        out = []
+        for (file, line, func), (_, calls, own, cumulative, _) in stats.stats.items():
+            out.append({"function": f"{os.path.basename(file)}:{line}:{func}",
+                        "calls_per_hit": calls / hits, "own_us_per_hit": own / hits * 1e6,
+                        "cumulative_us_per_hit": cumulative / hits * 1e6})
+        return sorted(out, key=lambda r: -r["own_us_per_hit"])[:rows]
+
+
+def _timed(calls: dict[str, list[float]], name: str, fn, profile: Profile | None = None):
     @functools.wraps(fn)
     def timed(*args, **kwargs):
+        if profile is not None:
+            profile.enter()
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             calls[name].append(time.perf_counter() - start)
+            if profile is not None:
+                profile.leave()
     return timed
 
 
@@ -59,26 +100,39 @@ def run_engine(model: str, args, kvt: dict, prompts: dict[int, list[list[int]]])
     from kvconnector.kernels import batched
 
     calls: dict[str, list[float]] = defaultdict(list)
+    profile = Profile() if args.profile else None
     for name in SCHEDULER_CALLS:
         setattr(scheduler.SchedulerHalf, name,
-                _timed(calls, name, getattr(scheduler.SchedulerHalf, name)))
+                _timed(calls, name, getattr(scheduler.SchedulerHalf, name), profile))
     for name in WORKER_CALLS:
-        setattr(worker.WorkerHalf, name, _timed(calls, name, getattr(worker.WorkerHalf, name)))
-    batched._copy_all = _timed(calls, "copy", batched._copy_all)
+        setattr(worker.WorkerHalf, name,
+                _timed(calls, name, getattr(worker.WorkerHalf, name), profile))
+    batched._copy_all = _timed(calls, "copy", batched._copy_all, profile)
+    if profile is not None:  # every hook vLLM calls, the ones timed above included
+        from kvconnector.connector import KVConnector
+
+        for name in HOOKS:
+            setattr(KVConnector, name, _timed(defaultdict(list), name,
+                                              getattr(KVConnector, name), profile))
 
     def settle() -> None:
         time.sleep(args.pause)
         timed_generate(llm, [random_prompt(random.Random(8), 16, 400)], 1)
         calls.clear()
 
-    def hit(p: list[int]) -> dict:
+    def hit(p: list[int], profiled: bool = False) -> dict:
         settle()
+        if profile is not None:
+            profile.on = profiled
         secs, outs = timed_generate(llm, [p], 1)
+        if profile is not None:
+            profile.on = False
         return {"s": secs, "token": outs[0].outputs[0].token_ids[0],
                 "cached": outs[0].num_cached_tokens or 0,
                 "calls": {k: sum(v) for k, v in calls.items()}}
 
     out: dict[int, list[dict]] = {}
+    profiled = 0
     max_len = max(prompts) + 64
     with engine(model, args, kvt, max_len, enable_prefix_caching=True,
                 max_num_batched_tokens=max_len) as llm:
@@ -90,9 +144,13 @@ def run_engine(model: str, args, kvt: dict, prompts: dict[int, list[list[int]]])
                 rec = {"vllm": hit(p)}
                 if not llm.reset_prefix_cache():
                     raise RuntimeError("vLLM did not reset its prefix cache")
-                rec["memory"] = hit(p)
+                warm = len(out[n]) >= args.warmup
+                rec["memory"] = hit(p, profiled=warm)
+                profiled += warm
                 out[n].append(rec)
-    return out
+    if profile is not None:
+        return {"hits": out, "profile": profile.top(max(1, profiled))}
+    return {"hits": out}
 
 
 def _median(values: list[float]) -> float:
@@ -109,6 +167,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2,
                    help="leading prompts of each length left out of the medians")
     p.add_argument("--pause", type=float, default=0.3)
+    p.add_argument("--profile", action="store_true",
+                   help="also profile kvconnector's calls in the memory hits (cProfile, "
+                        "which slows them: its times are for ranking, not for the ratios)")
     args = p.parse_args()
     if args.prompts <= args.warmup:
         raise SystemExit(f"--prompts ({args.prompts}) must exceed --warmup ({args.warmup})")
@@ -118,8 +179,9 @@ def main() -> None:
     prompts = {n: [random_prompt(rng, n, vocab) for _ in range(args.prompts)]
                for n in lengths}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the child's engine in its process
-    runs = in_fresh_process(run_engine, model, args,
-                            connector({"memory_capacity": args.memory_capacity}), prompts)
+    got = in_fresh_process(run_engine, model, args,
+                           connector({"memory_capacity": args.memory_capacity}), prompts)
+    runs = got["hits"]
 
     summary: dict[int, dict] = {}
     print(f"{'tokens':>6} {'vLLM hit':>9} {'memory hit':>10} {'ratio':>6} "
@@ -155,9 +217,15 @@ def main() -> None:
     for n in lengths:
         print(f"  {n}: " + ", ".join(f"{k} {v * 1e3:.3f}"
                                     for k, v in summary[n]["memory_calls_s"].items()))
+    if "profile" in got:
+        print("profiled (every length's memory hits pooled, per hit; cProfile's overhead in):")
+        print(f"  {'own us':>8} {'cum us':>8} {'calls':>6}  function")
+        for r in got["profile"]:
+            print(f"  {r['own_us_per_hit']:>8.1f} {r['cumulative_us_per_hit']:>8.1f} "
+                  f"{r['calls_per_hit']:>6.1f}  {r['function']}")
     path = write_results(args.out, "hit_hooks", {
         "model": model, "lengths": lengths, "prompts": args.prompts, "warmup": args.warmup,
-        "summary": summary, "runs": runs})
+        "summary": summary, "runs": runs, "profile": got.get("profile")})
     print(f"results: {path}")
 
 

@@ -74,6 +74,8 @@ class Profile:
         stats = pstats.Stats(self.profiler)
         out = []
         for (file, line, func), (_, calls, own, cumulative, _) in stats.stats.items():
+            if file == __file__:
+                continue  # this script's own timing wrappers
             out.append({"function": f"{os.path.basename(file)}:{line}:{func}",
                         "calls_per_hit": calls / hits, "own_us_per_hit": own / hits * 1e6,
                         "cumulative_us_per_hit": cumulative / hits * 1e6})

@@ -59,6 +59,37 @@ def test_stats_aggregate_counters_samples_and_gauges():
     assert all(isinstance(v, (int, float)) for v in reduced.values())
 
 
+def test_stats_aggregate_as_vllm_accumulates_steps():
+    """vLLM's log line keeps ``acc = acc.aggregate(step)``: the first result has data of its
+    own, later ones grow it in place; no step's report changes (Prometheus reads them)."""
+    steps = []
+    for i in range(4):
+        s = TransferStats()
+        s.add(loaded_chunks=i + 1)
+        s.observe(load_batch_seconds=float(i))
+        s.set_gauges(memory_slots_used=i)
+        steps.append(s)
+    acc = steps[0]
+    for s in steps[1:]:
+        acc = acc.aggregate(s)
+    assert acc is not steps[0]
+    assert acc.data["loaded_chunks"] == 10
+    assert acc.data["samples"]["load_batch_seconds"] == [0.0, 1.0, 2.0, 3.0]
+    assert acc.data["gauges"]["memory_slots_used"] == 3
+    for i, s in enumerate(steps):
+        assert s.data["loaded_chunks"] == i + 1
+        assert s.data["samples"]["load_batch_seconds"] == [float(i)]
+        assert s.data["gauges"]["memory_slots_used"] == i
+    again = acc.aggregate(steps[1])
+    assert again is acc and acc.data["loaded_chunks"] == 12
+    for _ in range(MAX_SAMPLES):
+        acc = acc.aggregate(steps[2])
+    assert len(acc.data["samples"]["load_batch_seconds"]) == MAX_SAMPLES
+    # A step's report rebuilt from its data (as vLLM's loggers do) owns nothing.
+    rebuilt = KVConnector.build_kv_connector_stats(acc.data)
+    assert rebuilt.aggregate(steps[0]) is not rebuilt
+
+
 def test_stats_empty_and_capped():
     s = TransferStats()
     assert s.is_empty()

@@ -53,6 +53,8 @@ class BlockCopies:
         self.ledger = ledger
         self.copies = copies
         self.copier = mover if isinstance(mover, PagedCopier) else None
+        if self.copier is not None:
+            self.copier.prepare(store.pool.buffer)
         self._host_transfer = None if isinstance(mover, PagedCopier) else mover
         self._device_lock = threading.Lock()  # HostTransfer's staging buffer is shared
 
@@ -70,7 +72,7 @@ class BlockCopies:
         ready: list[ChunkTransfer] = []
         for t in transfers:
             try:
-                self.store.read(t.slot, t.chunk_hash)
+                self.store.check(t.slot, t.chunk_hash)
             except ChunkCorrupt as e:
                 logger.warning("kvconnector: %s; its blocks will be recomputed", e)
                 self.ledger.chunk_load_failed(t, e.reason)
@@ -92,8 +94,8 @@ class BlockCopies:
                 self.ledger.chunk_load_failed(t, "error")
             return
         elapsed = time.perf_counter() - start
-        self.ledger.loaded(ready, self.block_size, self.store.pool.chunk_bytes, elapsed)
-        self.ledger.count(**{"phase_seconds.load_copy": elapsed})
+        self.ledger.loaded(ready, self.block_size, self.store.pool.chunk_bytes, elapsed,
+                           copy_seconds=elapsed)
 
     def _load_cuda(self, slot: torch.Tensor, block_ids: torch.Tensor,
                    on_copy_thread: bool) -> None:

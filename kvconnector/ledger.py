@@ -36,15 +36,21 @@ class Ledger:
             self.totals.add(**counts)
 
     def loaded(self, transfers: Sequence[ChunkTransfer], block_size: int, chunk_bytes: int,
-               seconds: float) -> None:
-        """Chunks copied into vLLM's blocks, as one batch of ``seconds``."""
+               seconds: float, copy_seconds: float | None = None) -> None:
+        """Chunks copied into vLLM's blocks, as one batch of ``seconds``; ``copy_seconds``:
+        the copy's phase timer (``phase_seconds.load_copy``), counted with them."""
         if not transfers:
             return
         n_blocks = sum(b >= 0 for t in transfers for b in t.block_ids)
-        self.count(loaded_chunks=len(transfers), loaded_tokens=n_blocks * block_size,
-                   loaded_bytes=chunk_bytes * n_blocks // len(transfers[0].block_ids),
-                   load_seconds=seconds)
-        self.observe(load_batch_seconds=seconds)
+        counts = {"loaded_chunks": len(transfers), "loaded_tokens": n_blocks * block_size,
+                  "loaded_bytes": chunk_bytes * n_blocks // len(transfers[0].block_ids),
+                  "load_seconds": seconds}
+        if copy_seconds is not None:
+            counts["phase_seconds.load_copy"] = copy_seconds
+        with self._lock:
+            self._stats.add(**counts)
+            self.totals.add(**counts)
+            self._stats.observe(load_batch_seconds=seconds)
 
     def observe(self, **seconds: float) -> None:
         with self._lock:

@@ -36,6 +36,10 @@ class WorkerStore:
         """The slot's bytes; raises ``ChunkCorrupt`` unless it is sealed as ``chunk_hash``."""
         return self.pool.read(slot, self.key(chunk_hash))
 
+    def check(self, slot: int, chunk_hash: bytes) -> None:
+        """``read``'s check alone: a load copies out of the whole pool at once."""
+        self.pool.check(slot, ChunkKey(self.fingerprint, self.tp_rank, chunk_hash))
+
     def begin_write(self, slot: int) -> torch.Tensor:
         return self.pool.begin_write(slot)
 

@@ -92,6 +92,41 @@ def test_layers_of_one_buffer_move_in_one_copy_per_run():
     assert all(torch.equal(a, b) for a, b in zip(layers, separate, strict=True))
 
 
+@pytest.mark.parametrize("chunks", [CHUNKS, WHOLE, DESCENDING],
+                         ids=["scattered", "whole", "descending"])
+def test_one_block_views_made_ahead_move_each_steps_bytes(monkeypatch, chunks):
+    """The copier makes one-block views of the KV blocks and of a pool's slots once: later
+    copies over them, with other bytes on both sides, still move their own bytes; another
+    pool gets views of its own; past ``MAX_VIEWS`` views are made per copy, with the same
+    result."""
+    from kvconnector.kernels import batched
+
+    runs = block_runs(chunks)
+    chunks = [c for c in chunks if any(b >= 0 for b in c[1])]
+    for limit in (batched.MAX_VIEWS, 4):
+        monkeypatch.setattr(batched, "MAX_VIEWS", limit)
+        layers, layout = _setup("cpu-pages", torch.bfloat16)
+        copier = PagedCopier(layers, layout)
+        assert (copier._one_block is not None) == (limit > 12)
+        for seed in range(2):
+            pool = _pool(layers, layout)  # another pool
+            for _ in range(2):  # the same pool, other bytes on both sides
+                want, _ = _setup("cpu-pages", torch.bfloat16, seed=seed + 1)
+                for t, w in zip(layers, want, strict=True):
+                    t.copy_(w)
+                pool.copy_(_pool(layers, layout))
+                reference.scatter(pool[[s for s, _ in chunks]], layout, _ids(chunks),
+                                  want)
+                copier.scatter(pool, runs)
+                assert all(torch.equal(a, b) for a, b in zip(layers, want, strict=True))
+                assert copier._slot_views[0] is pool
+                back = torch.zeros_like(pool)
+                expected = torch.zeros_like(pool[:len(chunks)])
+                copier.gather(back, runs)
+                reference.gather(layers, layout, _ids(chunks), expected)
+                assert torch.equal(back[[s for s, _ in chunks]], expected)
+
+
 def test_out_of_range_blocks_are_refused():
     layers, layout = _setup("cpu-pages", torch.float32)
     with pytest.raises(IndexError):
@@ -172,3 +207,17 @@ def test_layer_scatter_copies_only_the_layers_asked_and_in_groups_equals_scatter
     copy(2, 3)
     for w, g in zip(want, got, strict=True):
         assert torch.equal(w, g)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bytes_a_copy_moves_are_counted_from_its_runs(family):
+    """Whether a load is big enough for the helper is read off its runs: the same bytes as
+    its copies' views hold, for every layout."""
+    layers, layout = _setup(family, torch.bfloat16)
+    copier = PagedCopier(layers, layout)
+    pool = _pool(layers, layout)
+    for chunks in (CHUNKS, WHOLE, DESCENDING):
+        runs = block_runs(chunks)
+        for split in (True, False):
+            _, chunk = copier._pairs(pool, runs, split)
+            assert copier._bytes(pool, runs) == sum(t.numel() for t in chunk) * 2

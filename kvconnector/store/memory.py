@@ -267,12 +267,16 @@ class SlotPool:
         return self._headers[slot]
 
     def read(self, slot: int, key: ChunkKey) -> torch.Tensor:
+        self.check(slot, key)
+        return self.buffer[slot]
+
+    def check(self, slot: int, key: ChunkKey) -> None:
+        """Raises ``ChunkCorrupt`` unless ``slot`` is sealed as ``key``."""
         if not 0 <= slot < self.num_slots:
             raise ChunkCorrupt(f"chunk {key} has no slot", "missing")
         header = self._headers[slot]
         if header is None or header.key != key:
             raise ChunkCorrupt(f"slot {slot} does not hold chunk {key}", "not_in_slot")
-        return self.buffer[slot]
 
     def slot_holding(self, key: ChunkKey) -> int | None:
         for slot, header in enumerate(self._headers):

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_hit_hooks.py                    # tiny Mistral, bf16, 1k and 4k
     python benchmarks/bench_hit_hooks.py --lengths 1024 --prompts 20
+    python benchmarks/bench_hit_hooks.py --lengths 1024 --detail   # the calls inside too
 
 The engine runs in this benchmark's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so
 every call kvconnector's scheduler and worker halves get from vLLM can be timed one by one.
@@ -49,6 +50,41 @@ HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connec
          "bind_connector_metadata", "handle_preemptions", "start_load_kv",
          "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
          "get_block_ids_with_load_errors", "build_connector_worker_meta")
+
+
+# --detail: inner calls timed too (module, class or None for a module function, names).
+DETAIL = (
+    ("kvconnector.connector", "KVConnector",
+     ("start_load_kv", "get_kv_connector_stats", "wait_for_save", "get_finished",
+      "build_connector_worker_meta", "get_block_ids_with_load_errors", "handle_preemptions")),
+    ("kvconnector.block_copies", "BlockCopies", ("load",)),
+    ("kvconnector.block_copies", None, ("block_runs",)),
+    ("kvconnector.worker_store", "WorkerStore", ("check",)),
+    ("kvconnector.kernels.batched", "PagedCopier", ("scatter", "_pairs", "_check")),
+    ("kvconnector.ledger", "Ledger", ("loaded", "count", "observe")),
+    ("kvconnector.background", "CopyThread", ("wait_for_slots",)),
+    ("kvconnector.worker", "WorkerHalf", ("_by_layer", "_fetch", "take_stats")),
+    ("kvconnector.prefix", "PrefixReuse", ("match", "_held", "_memory_partial", "plan_loads")),
+    ("kvconnector.request_state", "RequestState", ("chunk_hashes", "partial_hash")),
+    ("kvconnector.request_state", None, ("chunk_hashes",)),
+    ("kvconnector.keys", None, ("token_bytes",)),
+    ("kvconnector.scheduler", "SchedulerHalf", ("_state", "take_stats")),
+    ("kvconnector.saves", "SavePlanner", ("plan_finish", "plan_step")),
+    ("kvconnector.store.memory", "MemoryIndex", ("count_prefix", "use")),
+)
+
+
+def _time_details(calls: dict[str, list[float]]) -> None:
+    """Wrap ``DETAIL``'s calls (before the engine starts, in its process)."""
+    import importlib
+
+    for module, cls, names in DETAIL:
+        owner = importlib.import_module(module)
+        if cls is not None:
+            owner = getattr(owner, cls)
+        for name in names:
+            label = f"{module.rsplit('.', 1)[-1]}.{cls + '.' if cls else ''}{name}"
+            setattr(owner, name, _timed(calls, label, getattr(owner, name)))
 
 
 class Profile:
@@ -110,6 +146,8 @@ def run_engine(model: str, args, kvt: dict, prompts: dict[int, list[list[int]]])
         setattr(worker.WorkerHalf, name,
                 _timed(calls, name, getattr(worker.WorkerHalf, name), profile))
     batched._copy_all = _timed(calls, "copy", batched._copy_all, profile)
+    if args.detail:
+        _time_details(calls)
     if profile is not None:  # every hook vLLM calls, the ones timed above included
         from kvconnector.connector import KVConnector
 
@@ -131,7 +169,8 @@ def run_engine(model: str, args, kvt: dict, prompts: dict[int, list[list[int]]])
             profile.on = False
         return {"s": secs, "token": outs[0].outputs[0].token_ids[0],
                 "cached": outs[0].num_cached_tokens or 0,
-                "calls": {k: sum(v) for k, v in calls.items()}}
+                "calls": {k: sum(v) for k, v in calls.items()},
+                "counts": {k: len(v) for k, v in calls.items()}}
 
     out: dict[int, list[dict]] = {}
     profiled = 0
@@ -172,6 +211,9 @@ def main() -> None:
     p.add_argument("--profile", action="store_true",
                    help="also profile kvconnector's calls in the memory hits (cProfile, "
                         "which slows them: its times are for ranking, not for the ratios)")
+    p.add_argument("--detail", action="store_true",
+                   help="also time the calls inside the hooks (DETAIL), each on its own; "
+                        "their wrappers add about a microsecond each")
     args = p.parse_args()
     if args.prompts <= args.warmup:
         raise SystemExit(f"--prompts ({args.prompts}) must exceed --warmup ({args.warmup})")
@@ -219,6 +261,16 @@ def main() -> None:
     for n in lengths:
         print(f"  {n}: " + ", ".join(f"{k} {v * 1e3:.3f}"
                                     for k, v in summary[n]["memory_calls_s"].items()))
+    if args.detail:
+        for n in lengths:
+            recs = runs[n][args.warmup:]
+            names = sorted({k for r in recs for t in ("vllm", "memory") for k in r[t]["calls"]})
+            summary[n]["detail_us"] = {
+                k: {t: _median([r[t]["calls"].get(k, 0.0) for r in recs]) * 1e6
+                    for t in ("vllm", "memory")} for k in names}
+            print(f"{n} tokens, every call timed (us, medians; vLLM's own hit, memory hit):")
+            for k, v in summary[n]["detail_us"].items():
+                print(f"  {k:<42} {v['vllm']:>8.1f} {v['memory']:>8.1f}")
     if "profile" in got:
         print("profiled (every length's memory hits pooled, per hit; cProfile's overhead in):")
         print(f"  {'own us':>8} {'cum us':>8} {'calls':>6}  function")

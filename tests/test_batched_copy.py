@@ -95,10 +95,9 @@ def test_layers_of_one_buffer_move_in_one_copy_per_run():
 @pytest.mark.parametrize("chunks", [CHUNKS, WHOLE, DESCENDING],
                          ids=["scattered", "whole", "descending"])
 def test_one_block_views_made_ahead_move_each_steps_bytes(monkeypatch, chunks):
-    """The copier makes one-block views of the KV blocks and of a pool's slots once: later
-    copies over them, with other bytes on both sides, still move their own bytes; another
-    pool gets views of its own; past ``MAX_VIEWS`` views are made per copy, with the same
-    result."""
+    """The copier makes the views of every one-slot run once: later copies over them, with
+    other bytes on both sides, still move their own bytes; another pool gets views of its
+    own; past ``MAX_VIEWS`` views are made per copy, with the same result."""
     from kvconnector.kernels import batched
 
     runs = block_runs(chunks)
@@ -107,7 +106,6 @@ def test_one_block_views_made_ahead_move_each_steps_bytes(monkeypatch, chunks):
         monkeypatch.setattr(batched, "MAX_VIEWS", limit)
         layers, layout = _setup("cpu-pages", torch.bfloat16)
         copier = PagedCopier(layers, layout)
-        assert (copier._one_block is not None) == (limit > 12)
         for seed in range(2):
             pool = _pool(layers, layout)  # another pool
             for _ in range(2):  # the same pool, other bytes on both sides
@@ -119,7 +117,9 @@ def test_one_block_views_made_ahead_move_each_steps_bytes(monkeypatch, chunks):
                                   want)
                 copier.scatter(pool, runs)
                 assert all(torch.equal(a, b) for a, b in zip(layers, want, strict=True))
-                assert copier._slot_views[0] is pool
+                pooled, views = copier._run_views
+                assert pooled is pool and views is not None
+                assert (views[1] is not None) == (limit > 12 * BPC)
                 back = torch.zeros_like(pool)
                 expected = torch.zeros_like(pool[:len(chunks)])
                 copier.gather(back, runs)
@@ -218,6 +218,5 @@ def test_bytes_a_copy_moves_are_counted_from_its_runs(family):
     pool = _pool(layers, layout)
     for chunks in (CHUNKS, WHOLE, DESCENDING):
         runs = block_runs(chunks)
-        for split in (True, False):
-            _, chunk = copier._pairs(pool, runs, split)
-            assert copier._bytes(pool, runs) == sum(t.numel() for t in chunk) * 2
+        _, chunk = copier._pairs(pool, runs)
+        assert copier._bytes(pool, runs) == sum(t.numel() for t in chunk) * 2

@@ -32,10 +32,13 @@ from kvconnector.layout import LayerLayout
 # at 3-4 GB/s: a tiny-model 16000-token hit's 7.75 MiB took 2.10-2.19 ms on one thread,
 # 1.50-1.87 ms with the helper (docs/benchmarks.md section 26).
 HELPER_MIN_BYTES = 6 << 20
-# One-block views made ahead (PagedCopier._one_block), about 0.3 KiB each; beyond this many
-# blocks (or slots' blocks) they are made per copy, as runs of several blocks are.
+# Views of one-slot runs made ahead (PagedCopier.prepare), about 0.3 KiB each; where a cache
+# or a pool would need more than this many, they are made per copy.
 MAX_VIEWS = 1 << 16
-BlockViews = tuple[torch.Tensor, list[list[torch.Tensor]] | None]  # pool's pages, per slot
+# A pool's pages and, if made, the views of one-slot runs: paged[count - 1][block] and
+# chunk[slot][(first, count)].
+RunViews = tuple[torch.Tensor, list[list[torch.Tensor]] | None,
+                 list[dict[tuple[int, int], torch.Tensor]] | None]
 
 
 @dataclass(frozen=True)
@@ -126,29 +129,21 @@ class PagedCopier:
         self._stack = _stacked(self.layers, layout)
         self._pages = _pages(self._stack, layout)
         self._views = [layout.view(t) for t in self.layers]
-        # Views of one-slot runs made so far, for the pool last copied to or from (the same
-        # pool each step): building them cost a tiny model's 1k hit about as much as its
-        # copy. Bounded: a big cache with small blocks has more runs than are worth keeping.
-        # One-block views of each KV block and each slot's blocks, made once: vLLM hands out
-        # blocks in descending order once its cache has cycled, so every block is a run of
-        # its own, and building two views a block cost a tiny model's 1k hit about as much
-        # as its copy. (pool, its pages, its views): one assignment, shared by threads.
-        self._one_block = ([self._pages[:, b:b + 1] for b in range(self._pages.shape[1])]
-                           if self._pages is not None
-                           and self._pages.shape[1] <= MAX_VIEWS else None)
-        self._slot_views: tuple[torch.Tensor | None, BlockViews | None] = (None, None)
+        # Views of every one-slot run, for the pool last copied to or from (the same pool
+        # each step): vLLM hands out blocks in descending order once its cache has cycled, so
+        # every block is a run of its own, and building two views a run cost a tiny model's
+        # 1k hit about as much as its copy. One assignment: the threads that copy share it.
+        self._run_views: tuple[torch.Tensor | None, RunViews | None] = (None, None)
         self._helper: ThreadPoolExecutor | None = None
         if helper_cores and torch.get_num_threads() == 1:
             self._helper = threads.pool("kvconnector-load-helper", set(helper_cores))
 
-    def _pairs(self, pool: torch.Tensor, runs: Sequence[Run], split: bool = True
+    def _pairs(self, pool: torch.Tensor, runs: Sequence[Run]
                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Pairs of (paged, chunk) views to copy between; ``split``: per block where that is
-        cheaper (``_page_pairs``), not where the copies are cut into groups of layers."""
         if self._pages is not None:
-            views = self._block_views(pool)
+            views = self._pool_views(pool)
             if views is not None:
-                return self._page_pairs(views, runs, split)
+                return self._page_pairs(views, runs)
         k, _, n, h, d = self.layout.sizes
         paged: list[torch.Tensor] = []
         chunk: list[torch.Tensor] = []
@@ -164,46 +159,45 @@ class PagedCopier:
         return paged, chunk
 
     def prepare(self, pool: torch.Tensor) -> None:
-        """Make ``pool``'s one-block views now (start-up), not in a step's first copy."""
-        self._block_views(pool)
+        """Make the views of ``pool``'s runs now (start-up), not in a step's first copy."""
+        self._pool_views(pool)
 
-    def _block_views(self, pool: torch.Tensor) -> BlockViews | None:
-        """``pool`` as pages, and its one-block views (made for the pool the last step used:
-        the same each step); None where its pages do not fit ``_pages``."""
-        cached_pool, views = self._slot_views
-        if cached_pool is not pool:
-            pages = _slot_pages(pool, self._pages) if self._pages is not None else None
-            views = None
-            if pages is not None:
-                per_slot = ([[pages[s, :, j:j + 1] for j in range(pages.shape[2])]
-                             for s in range(pages.shape[0])]
-                            if self._one_block is not None
-                            and pages.shape[0] * pages.shape[2] <= MAX_VIEWS else None)
-                views = (pages, per_slot)
-            self._slot_views = (pool, views)
+    def _pool_views(self, pool: torch.Tensor) -> RunViews | None:
+        """``pool`` as pages, with the views of its one-slot runs where they are few
+        enough; None where its pages do not fit ``_pages``."""
+        cached_pool, views = self._run_views
+        if cached_pool is pool:
+            return views
+        assert self._pages is not None
+        pages = _slot_pages(pool, self._pages)
+        views = None
+        if pages is not None:
+            slots, _, per_chunk, _ = pages.shape
+            blocks = self._pages.shape[1]
+            paged = chunk = None
+            if blocks * per_chunk <= MAX_VIEWS and slots * per_chunk ** 2 <= MAX_VIEWS:
+                paged = [[self._pages[:, b:b + c] for b in range(blocks)]
+                         for c in range(1, per_chunk + 1)]
+                chunk = [{(f, c): pages[s, :, f:f + c] for f in range(per_chunk)
+                          for c in range(1, per_chunk - f + 1)} for s in range(slots)]
+            views = (pages, paged, chunk)
+        self._run_views = (pool, views)
         return views
 
-    def _page_pairs(self, views: BlockViews, runs: Sequence[Run], split: bool
+    def _page_pairs(self, views: RunViews, runs: Sequence[Run]
                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """``_pairs`` for whole pages: views of rank 3 or 4 instead of 7. vLLM often hands a
-        request its blocks in descending order, so every block is a run of its own, and
-        building the 7-dimensional views took as long as copying a tiny model's pages.
-        ``split``: one copy per block, from the views made ahead where there are some (a
-        copy more costs less than a view made); else one per run."""
+        """``_pairs`` for whole pages: views of rank 3 or 4 instead of 7, those of one-slot
+        runs made ahead where there are some."""
         assert self._pages is not None
         layers = self._pages.shape[0]
-        pool, per_slot = views
-        one_block = self._one_block if per_slot is not None else None
+        pool, made_paged, made_chunk = views
         paged: list[torch.Tensor] = []
         chunk: list[torch.Tensor] = []
         for r in runs:
             m, c = r.slots, r.count
-            if split and one_block is not None and per_slot is not None:
-                for i in range(m):
-                    slot_views = per_slot[r.slot + i]
-                    for j in range(c):
-                        paged.append(one_block[r.block + i * c + j])
-                        chunk.append(slot_views[r.first + j])
+            if m == 1 and made_paged is not None and made_chunk is not None:
+                paged.append(made_paged[c - 1][r.block])
+                chunk.append(made_chunk[r.slot][(r.first, c)])
             elif m == 1:
                 paged.append(self._pages[:, r.block:r.block + c])
                 chunk.append(pool[r.slot, :, r.first:r.first + c])
@@ -248,7 +242,7 @@ class PagedCopier:
         """``scatter`` a few layers at a time, on the calling thread: the function returned
         copies layers ``first``..``last - 1`` of every run."""
         self._check(pool, runs)
-        paged, chunk = self._pairs(pool, runs, split=False)
+        paged, chunk = self._pairs(pool, runs)
         n = len(self.layers)
 
         def copy(first: int, last: int) -> None:
@@ -267,10 +261,8 @@ class PagedCopier:
 
 
 def _halves(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The copies split in two: by list where they are per-layer views or of one size each
-    (a copy per block), else stacked ones by dim 0 (layer)."""
-    if len(tensors) > 1 and (all(t.shape[0] == 1 for t in tensors)
-                             or len({t.shape for t in tensors}) == 1):
+    """The copies split in two by layer: per-layer views by list, stacked ones by dim 0."""
+    if len(tensors) > 1 and all(t.shape[0] == 1 for t in tensors):
         mid = len(tensors) // 2
         return tensors[:mid], tensors[mid:]
     return ([t[:t.shape[0] // 2] for t in tensors if t.shape[0] > 1],

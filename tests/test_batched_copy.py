@@ -212,10 +212,11 @@ def test_layer_scatter_copies_only_the_layers_asked_and_in_groups_equals_scatter
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bytes_a_copy_moves_are_counted_from_its_runs(family):
     """Whether a load is big enough for the helper is read off its runs: the same bytes as
-    its copies' views hold, for every layout."""
+    its copies' views hold, for every layout (views made ahead where it has pages)."""
     layers, layout = _setup(family, torch.bfloat16)
     copier = PagedCopier(layers, layout)
     pool = _pool(layers, layout)
+    copier.prepare(pool)  # as BlockCopies does at start-up, whatever the layout
     for chunks in (CHUNKS, WHOLE, DESCENDING):
         runs = block_runs(chunks)
         _, chunk = copier._pairs(pool, runs)

@@ -160,7 +160,8 @@ class PagedCopier:
 
     def prepare(self, pool: torch.Tensor) -> None:
         """Make the views of ``pool``'s runs now (start-up), not in a step's first copy."""
-        self._pool_views(pool)
+        if self._pages is not None:
+            self._pool_views(pool)
 
     def _pool_views(self, pool: torch.Tensor) -> RunViews | None:
         """``pool`` as pages, with the views of its one-slot runs where they are few

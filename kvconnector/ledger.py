@@ -47,10 +47,8 @@ class Ledger:
                   "load_seconds": seconds}
         if copy_seconds is not None:
             counts["phase_seconds.load_copy"] = copy_seconds
-        with self._lock:
-            self._stats.add(**counts)
-            self.totals.add(**counts)
-            self._stats.observe(load_batch_seconds=seconds)
+        self.count(**counts)
+        self.observe(load_batch_seconds=seconds)
 
     def observe(self, **seconds: float) -> None:
         with self._lock:

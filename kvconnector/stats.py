@@ -71,14 +71,10 @@ class TransferStats(KVConnectorStats):
         histograms) are never changed."""
         out = self if self._owned else TransferStats.copy_of(self)
         samples = out.data.setdefault(SAMPLES, {})
-        for k, v in other.data.items():
-            if k == SAMPLES:
-                for name, values in v.items():
-                    out._extend(samples, name, values)
-            elif k == GAUGES:
-                out.set_gauges(**v)  # ``other`` is the newer report
-            else:
-                out.data[k] = out.data.get(k, 0) + v
+        for name, values in other.data.get(SAMPLES, {}).items():
+            out._extend(samples, name, values)
+        out.set_gauges(**other.data.get(GAUGES, {}))  # ``other`` is the newer report
+        out.add(**other.counters())
         return out
 
     @staticmethod

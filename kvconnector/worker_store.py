@@ -38,7 +38,7 @@ class WorkerStore:
 
     def check(self, slot: int, chunk_hash: bytes) -> None:
         """``read``'s check alone: a load copies out of the whole pool at once."""
-        self.pool.check(slot, ChunkKey(self.fingerprint, self.tp_rank, chunk_hash))
+        self.pool.check(slot, self.key(chunk_hash))
 
     def begin_write(self, slot: int) -> torch.Tensor:
         return self.pool.begin_write(slot)

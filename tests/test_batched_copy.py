@@ -94,7 +94,7 @@ def test_layers_of_one_buffer_move_in_one_copy_per_run():
 
 @pytest.mark.parametrize("chunks", [CHUNKS, WHOLE, DESCENDING],
                          ids=["scattered", "whole", "descending"])
-def test_one_block_views_made_ahead_move_each_steps_bytes(monkeypatch, chunks):
+def test_views_made_ahead_move_each_steps_bytes(monkeypatch, chunks):
     """The copier makes the views of every one-slot run once: later copies over them, with
     other bytes on both sides, still move their own bytes; another pool gets views of its
     own; past ``MAX_VIEWS`` views are made per copy, with the same result."""

@@ -1,0 +1,83 @@
+"""What a Redis lookup's round trip costs, asked on the caller's thread and through
+kvconnector's lookup thread (``kvconnector/lookups.py``), outside vLLM.
+
+    python benchmarks/bench_lookup_rtt.py              # 400 lookups of each kind per core
+    python benchmarks/bench_lookup_rtt.py --lookups 1000 --keys 8
+
+A local redis-server runs on the reserved core (``--redis-cpus``, as in the other
+benchmarks). The caller, a process of its own, runs first on that core (where vLLM's engine
+core and its scheduler run on the CPU build) and then on the other. Each lookup is one
+``RedisStore.exists_many`` of ``--keys`` keys that Redis does not hold, as a miss's lookup
+is; "thread" submits it to a one-thread pool and waits for its answer, as the scheduler
+does for a request alone in the engine; "empty hand-off" submits nothing but the hand-off
+itself. A pause between lookups lets both threads sleep, as they do between requests.
+
+In the engine, a lookup's share of ``get_num_new_matched_tokens`` is its phase timer's
+difference between a Redis hit and a memory hit (``bench_hit_paired.py``); this measures the
+pieces of it on their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
+
+from common import local_redis, write_results
+
+from kvconnector.keys import ChunkKey
+from kvconnector.store.redis_store import RedisStore
+
+
+def timed(call, n: int, pause_s: float) -> list[float]:
+    out = []
+    for _ in range(n):
+        start = time.perf_counter()
+        call()
+        out.append(time.perf_counter() - start)
+        time.sleep(pause_s)
+    return out[n // 10:]  # the first ones open connections and warm caches
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lookups", type=int, default=400)
+    p.add_argument("--keys", type=int, default=5, help="keys a lookup asks (a 1k prompt: 5)")
+    p.add_argument("--pause", type=float, default=0.002)
+    p.add_argument("--redis-cpus", default="1")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    results: dict[str, dict[str, float]] = {}
+    with local_redis(args.redis_cpus) as server:
+        store = RedisStore.from_url(server.url)
+        keys = [ChunkKey(b"f" * 16, 0, os.urandom(16)) for _ in range(args.keys)]
+        pool = ThreadPoolExecutor(1)
+        kinds = {
+            "direct": lambda: store.exists_many(keys, 0.05),
+            "thread": lambda: wait([pool.submit(store.exists_many, keys, 0.05)], 0.05),
+            "empty hand-off": lambda: wait([pool.submit(lambda: None)], 0.05),
+        }
+        for core in sorted(os.sched_getaffinity(0)):
+            os.sched_setaffinity(0, {core})
+            for kind, call in kinds.items():
+                ts = sorted(timed(call, args.lookups, args.pause))
+                results[f"core {core}, {kind}"] = {
+                    "median_us": statistics.median(ts) * 1e6,
+                    "p10_us": ts[len(ts) // 10] * 1e6, "p90_us": ts[len(ts) * 9 // 10] * 1e6}
+        pool.shutdown()
+    print(f"a lookup of {args.keys} keys, redis-server on cores {args.redis_cpus}; us")
+    for name, r in results.items():
+        print(f"  {name:28s} median {r['median_us']:6.0f}  p10 {r['p10_us']:6.0f}  "
+              f"p90 {r['p90_us']:6.0f}")
+    path = write_results(Path(args.out) if args.out else None, "lookup_rtt",
+                         {"keys": args.keys, "lookups": args.lookups, "pause_s": args.pause,
+                          "redis_cpus": args.redis_cpus, "results": results})
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -5,12 +5,12 @@ kvconnector's lookup thread (``kvconnector/lookups.py``), outside vLLM.
     python benchmarks/bench_lookup_rtt.py --lookups 1000 --keys 8
 
 A local redis-server runs on the reserved core (``--redis-cpus``, as in the other
-benchmarks). The caller, a process of its own, runs first on that core (where vLLM's engine
-core and its scheduler run on the CPU build) and then on the other. Each lookup is one
-``RedisStore.exists_many`` of ``--keys`` keys that Redis does not hold, as a miss's lookup
-is; "thread" submits it to a one-thread pool and waits for its answer, as the scheduler
-does for a request alone in the engine; "empty hand-off" submits nothing but the hand-off
-itself. A pause between lookups lets both threads sleep, as they do between requests.
+benchmarks). The caller runs on each core in turn: core 1 is where vLLM's engine core and
+its scheduler run on the CPU build. Each lookup is one ``RedisStore.exists_many`` of
+``--keys`` keys that Redis does not hold, as a miss's lookup is; "thread" asks it through
+kvconnector's ``Lookups`` and waits for its answer, as the scheduler does for a request
+alone in the engine; "empty hand-off" sends ``Lookups`` a question that asks nothing: the
+hand-off alone. A pause between lookups lets both threads sleep, as they do between requests.
 
 In the engine, a lookup's share of ``get_num_new_matched_tokens`` is its phase timer's
 difference between a Redis hit and a memory hit (``bench_hit_paired.py``); this measures the
@@ -23,12 +23,13 @@ import argparse
 import os
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from itertools import count
 from pathlib import Path
 
 from common import local_redis, write_results
 
 from kvconnector.keys import ChunkKey
+from kvconnector.lookups import Lookups
 from kvconnector.store.redis_store import RedisStore
 
 
@@ -55,11 +56,19 @@ def main() -> None:
     with local_redis(args.redis_cpus) as server:
         store = RedisStore.from_url(server.url)
         keys = [ChunkKey(b"f" * 16, 0, os.urandom(16)) for _ in range(args.keys)]
-        pool = ThreadPoolExecutor(1)
+        lookups, questions = Lookups(store, 0.05), count()
+
+        def through_thread(ask) -> None:
+            asked, answer = lookups.answer(None, next(questions), ask, None)
+            if answer is None:
+                lookups.wait(0.05)
+                lookups.answer(asked, asked.question if asked else None, ask, None)
+
         kinds = {
             "direct": lambda: store.exists_many(keys, 0.05),
-            "thread": lambda: wait([pool.submit(store.exists_many, keys, 0.05)], 0.05),
-            "empty hand-off": lambda: wait([pool.submit(lambda: None)], 0.05),
+            "thread": lambda: through_thread(lambda redis, budget: redis.exists_many(keys,
+                                                                                     budget)),
+            "empty hand-off": lambda: through_thread(lambda redis, budget: True),
         }
         for core in sorted(os.sched_getaffinity(0)):
             os.sched_setaffinity(0, {core})
@@ -68,7 +77,7 @@ def main() -> None:
                 results[f"core {core}, {kind}"] = {
                     "median_us": statistics.median(ts) * 1e6,
                     "p10_us": ts[len(ts) // 10] * 1e6, "p90_us": ts[len(ts) * 9 // 10] * 1e6}
-        pool.shutdown()
+        lookups.shutdown()
     print(f"a lookup of {args.keys} keys, redis-server on cores {args.redis_cpus}; us")
     for name, r in results.items():
         print(f"  {name:28s} median {r['median_us']:6.0f}  p10 {r['p10_us']:6.0f}  "

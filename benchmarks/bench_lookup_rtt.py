@@ -8,9 +8,11 @@ A local redis-server runs on the reserved core (``--redis-cpus``, as in the othe
 benchmarks). The caller runs on each core in turn: core 1 is where vLLM's engine core and
 its scheduler run on the CPU build. Each lookup is one ``RedisStore.exists_many`` of
 ``--keys`` keys that Redis does not hold, as a miss's lookup is; "thread" asks it through
-kvconnector's ``Lookups`` and waits for its answer, as the scheduler does for a request
-alone in the engine; "empty hand-off" sends ``Lookups`` a question that asks nothing: the
-hand-off alone. A pause between lookups lets both threads sleep, as they do between requests.
+kvconnector's ``Lookups`` on its lookup thread and waits for the answer, as the scheduler
+does for a request among others; "inline" asks it as the scheduler asks for a request alone
+in the engine (sent and read on the asking thread when the reply comes within
+``IDLE_WAIT_S``); "empty hand-off" sends the lookup thread a question that asks nothing:
+the hand-off alone. A pause between lookups lets both threads sleep, as they do between requests.
 
 In the engine, a lookup's share of ``get_num_new_matched_tokens`` is its phase timer's
 difference between a Redis hit and a memory hit (``bench_hit_paired.py``); this measures the
@@ -30,6 +32,7 @@ from common import local_redis, write_results
 
 from kvconnector.keys import ChunkKey
 from kvconnector.lookups import Lookups
+from kvconnector.metadata import IDLE_WAIT_S
 from kvconnector.store.redis_store import RedisStore
 
 
@@ -58,17 +61,17 @@ def main() -> None:
         keys = [ChunkKey(b"f" * 16, 0, os.urandom(16)) for _ in range(args.keys)]
         lookups, questions = Lookups(store, 0.05), count()
 
-        def through_thread(ask) -> None:
-            asked, answer = lookups.answer(None, next(questions), ask, None)
+        def through_lookups(keys: list[ChunkKey], wait_s: float = 0.0) -> None:
+            asked, answer = lookups.answer(None, next(questions), keys, any, None, wait_s)
             if answer is None:
                 lookups.wait(0.05)
-                lookups.answer(asked, asked.question if asked else None, ask, None)
+                lookups.answer(asked, asked.question if asked else None, keys, any, None)
 
         kinds = {
             "direct": lambda: store.exists_many(keys, 0.05),
-            "thread": lambda: through_thread(lambda redis, budget: redis.exists_many(keys,
-                                                                                     budget)),
-            "empty hand-off": lambda: through_thread(lambda redis, budget: True),
+            "thread": lambda: through_lookups(keys),
+            "inline": lambda: through_lookups(keys, IDLE_WAIT_S),
+            "empty hand-off": lambda: through_lookups([]),
         }
         for core in sorted(os.sched_getaffinity(0)):
             os.sched_setaffinity(0, {core})

@@ -3,12 +3,16 @@ on the network: a step asks, and a later step reads the answer. A step that sche
 nothing may wait a little for the answers (``wait``): vLLM steps an idle engine back to
 back, and that loop would hold the GIL the lookup thread needs to read its reply.
 
+A request alone in the engine delays nobody by a short wait: its question is sent from the
+scheduler's thread and its reply read there if it comes within a few milliseconds.
+
 With a key mirror (``store/redis_mirror.py``) in sync, a question is answered at once from
 it, on the scheduler's thread, and Redis is not asked."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -32,54 +36,35 @@ class Asked(Generic[T]):
     answer: Future[T]
 
 
-class OutOfSync(Exception):
-    """The mirror stopped answering while a question was read from it."""
-
-
-class MirrorAnswers:
-    """``RedisStore``'s lookup calls, answered from the key mirror."""
-
-    def __init__(self, redis: RedisStore, mirror: RedisKeyMirror) -> None:
-        self.redis = redis
-        self.mirror = mirror
-
-    def exists_many(self, keys: Sequence[ChunkKey], budget_s: float = 0.0) -> list[bool]:
-        found = self.mirror.answer([self.redis.redis_key(k) for k in keys])
-        if found is None:
-            raise OutOfSync
-        self.redis.count_lookup(sum(found))
-        return found
-
-    def exists_prefix(self, keys: Sequence[ChunkKey], budget_s: float = 0.0) -> int:
-        found = self.exists_many(keys)
-        return next((i for i, ok in enumerate(found) if not ok), len(found))
-
-
 class Lookups:
     def __init__(self, redis: RedisStore, budget_s: float,
                  mirror: RedisKeyMirror | None = None) -> None:
         self.redis = redis
         self.budget_s = budget_s
         self.mirror = mirror
-        self._from_mirror = MirrorAnswers(redis, mirror) if mirror is not None else None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvconnector-lookup",
                                           initializer=name_os_thread,
                                           initargs=("kvconnector-lookup",))
         self._last: Future[Any] | None = None  # one thread: answered last of those asked
 
-    def answer(self, asked: Asked[T] | None, question: Hashable,
-               ask: Callable[[Any, float], T], miss: T) -> tuple[Asked[T] | None, T | None]:
-        """``(what is now asked, its answer or None while Redis is asked)``. A new question
-        replaces an old one; a failed lookup answers ``miss`` (the store counts its faults).
-        ``ask`` calls ``exists_many`` or ``exists_prefix`` of what it is given: the store,
-        or the mirror's answers."""
-        if self._from_mirror is not None and self._from_mirror.mirror.synced:
-            try:
-                return None, ask(self._from_mirror, self.budget_s)
-            except OutOfSync:
-                pass
+    def answer(self, asked: Asked[T] | None, question: Hashable, keys: Sequence[ChunkKey],
+               interpret: Callable[[list[bool]], T], miss: T,
+               wait_s: float = 0.0) -> tuple[Asked[T] | None, T | None]:
+        """``(what is now asked, its answer or None while Redis is asked)``: which of
+        ``keys`` Redis holds, as ``interpret`` reads it. A new question replaces an old
+        one; a failed lookup answers ``miss`` (the store counts its faults).
+
+        With ``wait_s``, a new question is sent from this thread and its reply awaited
+        that long: a lone request's lookup then costs its round trip, not the hand-offs to
+        the lookup thread and back. A reply still out then is read by the lookup thread,
+        within the whole budget, as any other."""
+        if self.mirror is not None:
+            found = self.mirror.answer([self.redis.redis_key(k) for k in keys])
+            if found is not None:
+                self.redis.count_lookup(sum(found))
+                return None, interpret(found)
         if asked is None or asked.question != question:
-            asked = Asked(question, self._thread.submit(ask, self.redis, self.budget_s))
+            asked = Asked(question, self._ask(keys, interpret, wait_s))
             self._last = asked.answer
         if not asked.answer.done():
             return asked, None
@@ -88,6 +73,21 @@ class Lookups:
         except Exception:
             logger.debug("kvconnector: Redis lookup failed", exc_info=True)
             return asked, miss
+
+    def _ask(self, keys: Sequence[ChunkKey], interpret: Callable[[list[bool]], T],
+             wait_s: float) -> Future[T]:
+        pending = self.redis.start_exists(keys, self.budget_s) if wait_s > 0 and keys else None
+        if pending is None:
+            return self._thread.submit(
+                lambda: interpret(self.redis.exists_many(keys, self.budget_s)))
+        if not pending.replied(time.monotonic() + wait_s):
+            return self._thread.submit(lambda: interpret(pending.finish()))
+        answer: Future[T] = Future()
+        try:
+            answer.set_result(interpret(pending.finish()))
+        except Exception as e:
+            answer.set_exception(e)
+        return answer
 
     def wait(self, timeout: float) -> None:
         """Until every question asked so far is answered, at most ``timeout`` seconds."""

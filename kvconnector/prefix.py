@@ -9,12 +9,11 @@ from kvconnector.config import ConnectorConfig
 from kvconnector.fetches import Fetches
 from kvconnector.keys import ChunkKey
 from kvconnector.lookups import Lookups
-from kvconnector.metadata import ChunkTransfer
+from kvconnector.metadata import IDLE_WAIT_S, ChunkTransfer
 from kvconnector.metrics import hit_tokens_by_tier
 from kvconnector.request_state import PENDING, PrefixHit, RequestState
 from kvconnector.store.disk_catalog import DiskCatalog
 from kvconnector.store.memory import MemoryIndex
-from kvconnector.store.redis_store import RedisStore
 
 MISSING_SLOT = -1  # a load the worker must report as failed
 
@@ -64,7 +63,7 @@ class PrefixReuse:
         cap = (req.num_tokens - 1) // self.block_size * self.block_size
         if cap <= num_computed:
             return None  # vLLM's own hit holds all a load could give: ask no tier
-        held = self._held(st, cap)
+        held = self._held(st, cap, alone)
         if held is None:
             return PENDING
         hit = min(held.full * self.chunk_size + held.partial_blocks * self.block_size, cap)
@@ -111,7 +110,7 @@ class PrefixReuse:
                 return k
         return 0
 
-    def _held(self, st: RequestState, cap: int) -> Held | None:
+    def _held(self, st: RequestState, cap: int, alone: bool) -> Held | None:
         """Full chunks from memory, then disk, then Redis, then a partial chunk. A partial
         chunk is asked of the disk and Redis only with full chunks that memory lacked: a
         request whose full chunks are all in memory never waits for a few blocks. None
@@ -130,7 +129,7 @@ class PrefixReuse:
                 ph, partial_source = (self._partial_hash(st, n, k), "disk") if k else (None,
                                                                                        "memory")
         if self.lookups is not None and in_memory + on_disk < n:
-            answer = self._ask_redis(st, hashes, in_memory + on_disk, cap)
+            answer = self._ask_redis(st, hashes, in_memory + on_disk, cap, alone)
             if answer is None:
                 return None
             in_redis = answer[0]
@@ -156,8 +155,8 @@ class PrefixReuse:
         arriving = ready < in_memory or (ph is not None and ph in self.fetches)
         return Held(full, k, ph, from_memory, tuple(sources), arriving)
 
-    def _ask_redis(self, st: RequestState, hashes: list[bytes], start: int,
-                   cap: int) -> tuple[int, int] | None:
+    def _ask_redis(self, st: RequestState, hashes: list[bytes], start: int, cap: int,
+                   alone: bool) -> tuple[int, int] | None:
         """(full chunks after ``start`` that every TP rank holds in Redis, blocks of the
         longest partial chunk after all of them), or None while asking. One round trip per
         request and question: one EXISTS pipeline for both kinds of keys."""
@@ -167,11 +166,10 @@ class PrefixReuse:
         if st.load_limit is None or n < st.load_limit:
             max_k = self._partial_blocks(n, cap)
         wanted = hashes[start:] + [self._partial_hash(st, n, k) for k in range(max_k, 0, -1)]
-        n_full, tp, fingerprint = n - start, self.tp_size, self.fingerprint
+        n_full, tp = n - start, self.tp_size
+        keys = [ChunkKey(self.fingerprint, r, h) for h in wanted for r in range(tp)]
 
-        def ask(redis: RedisStore, budget_s: float) -> tuple[int, int]:
-            keys = [ChunkKey(fingerprint, r, h) for h in wanted for r in range(tp)]
-            found = redis.exists_many(keys, budget_s)
+        def interpret(found: list[bool]) -> tuple[int, int]:
             per_chunk = [all(found[i:i + tp]) for i in range(0, len(found), tp)]
             chunks = 0
             while chunks < n_full and per_chunk[chunks]:
@@ -180,7 +178,8 @@ class PrefixReuse:
                 return chunks, 0
             return chunks, next((max_k - i for i, ok in enumerate(per_chunk[n_full:]) if ok), 0)
 
-        st.lookup, answer = self.lookups.answer(st.lookup, (start, n, max_k), ask, (0, 0))
+        st.lookup, answer = self.lookups.answer(st.lookup, (start, n, max_k), keys, interpret,
+                                                (0, 0), IDLE_WAIT_S if alone else 0.0)
         return answer
 
     def plan_loads(self, st: RequestState, hit: PrefixHit, block_ids: list[int],

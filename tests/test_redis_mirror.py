@@ -182,22 +182,25 @@ def test_lookups_answer_from_the_mirror_at_once_and_ask_redis_without_it(store, 
     c.set(store.redis_key(keys[0]), b"v")
     c.set(store.redis_key(keys[1]), b"v")
 
-    def ask(redis, budget_s):
-        return redis.exists_prefix(keys, budget_s)
+    def leading(found: list[bool]) -> int:
+        return next((i for i, ok in enumerate(found) if not ok), len(found))
 
     m = mirror_of(store)
     lookups = Lookups(store, 1.0, m)
     try:
-        asked, answer = lookups.answer(None, "q", ask, 0)
+        asked, answer = lookups.answer(None, "q", keys, leading, 0)
         assert (asked, answer) == (None, 2)  # no question left pending: answered now
-        before = store.snapshot()["lookups"]
+        before = store.snapshot()
         lookups.forget([keys[1]])
-        assert lookups.answer(None, "q", ask, 0)[1] == 1
-        assert store.snapshot()["lookups"] == before + 1  # counted as a lookup
+        assert lookups.answer(None, "q", keys, leading, 0)[1] == 1
+        after = store.snapshot()
+        assert after["lookups"] == before["lookups"] + 1  # counted as a lookup
+        assert after["mirror_lookups"] == before["mirror_lookups"] + 1
         m.synced = False  # out of sync: Redis is asked, on the lookup thread
-        asked, answer = lookups.answer(None, "q", ask, 0)
+        asked, answer = lookups.answer(None, "q", keys, leading, 0)
         assert asked is not None
         lookups.wait(2.0)
-        assert lookups.answer(asked, "q", ask, 0)[1] == 2
+        assert lookups.answer(asked, "q", keys, leading, 0)[1] == 2
+        assert store.snapshot()["mirror_lookups"] == after["mirror_lookups"]
     finally:
         lookups.shutdown()

@@ -156,37 +156,9 @@ def test_an_idle_step_waits_for_a_fetch_in_flight_and_only_then():
     assert ledger.outstanding()["fetches"] == 0
 
 
-def test_an_idle_scheduler_step_waits_for_the_redis_answers_asked():
-    import time
-
-    from kvconnector.lookups import Lookups
-
-    lookups = Lookups(None, 1.0)  # type: ignore[arg-type]  # the question asks no store
-    try:
-        start = time.perf_counter()
-        lookups.wait(1.0)  # nothing asked: no wait
-        assert time.perf_counter() - start < 0.1
-
-        def slow(_redis, _budget: float) -> int:
-            time.sleep(0.05)
-            return 7
-
-        asked, answer = lookups.answer(None, "q1", slow, 0)
-        assert answer is None
-        lookups.wait(5.0)  # returns when answered, not at the timeout
-        assert asked.answer.done()
-        assert lookups.answer(asked, "q1", slow, 0)[1] == 7
-        asked, _ = lookups.answer(None, "q2", lambda r, b: time.sleep(1.0), 0)
-        start = time.perf_counter()
-        lookups.wait(0.05)  # a slow Redis: the timeout bounds the wait
-        assert time.perf_counter() - start < 0.5 and not asked.answer.done()
-    finally:
-        lookups.shutdown()
-
-
 def test_get_finished_waits_only_in_a_step_that_scheduled_nothing():
     """The hook passes the plan's ``idle`` to the worker half, which waits only then (the
-    wait itself: the test above); no plan bound (vLLM's shutdown path): no wait."""
+    wait itself: test_lookups.py); no plan bound (vLLM's shutdown path): no wait."""
     from kvconnector.connector import KVConnector
     from kvconnector.metadata import StepPlan
 

@@ -32,7 +32,6 @@ from kvconnector.request_state import PENDING, RequestState
 from kvconnector.stats import TransferStats
 from kvconnector.store.disk_catalog import DiskCatalog
 from kvconnector.store.memory import MemoryIndex
-from kvconnector.store.redis_store import RedisStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -143,14 +142,19 @@ class BlendScheduler:
         return BlendHit(num_computed, end, found, any(t != "memory" for t in found.values()))
 
     def _ask_redis(self, br: BlendRequest, docs: list[int]) -> set[int] | None:
-        """Documents (of ``docs``) whose every piece is in Redis; None while asking."""
+        """Documents (of ``docs``) whose every piece is in Redis; None while asking. One
+        round trip for all of them."""
         assert self.lookups is not None
-        pieces = {i: [ChunkKey(self.fingerprint, 0, h) for h in br.docs[i].pieces] for i in docs}
+        keys: list[ChunkKey] = []
+        spans: dict[int, tuple[int, int]] = {}
+        for i in docs:
+            spans[i] = (len(keys), len(keys) + len(br.docs[i].pieces))
+            keys += [ChunkKey(self.fingerprint, 0, h) for h in br.docs[i].pieces]
 
-        def ask(redis: RedisStore, budget_s: float) -> set[int]:
-            return {i for i, ks in pieces.items() if redis.exists_prefix(ks, budget_s) == len(ks)}
+        def interpret(found: list[bool]) -> set[int]:
+            return {i for i, (a, b) in spans.items() if all(found[a:b])}
 
-        br.lookup, answer = self.lookups.answer(br.lookup, tuple(docs), ask, set())
+        br.lookup, answer = self.lookups.answer(br.lookup, tuple(docs), keys, interpret, set())
         return answer
 
     def plan(self, st: RequestState, hit: BlendHit, block_ids: list[int],

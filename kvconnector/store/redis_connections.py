@@ -198,72 +198,98 @@ class RedisConnections:
         Returns, per key, whether its server answered: False for a key whose server is in
         backoff or failed (its ``read`` results are to be ignored). Faults are counted,
         never raised; each server (each node of a cluster) backs off on its own."""
-        answered = [False] * len(rkeys)
+        return self.begin(op, rkeys, cmds, read, deadline, window).finish()
+
+    def begin(self, op: str, rkeys: list[bytes], cmds: list[Any],
+              read: Callable[[Wire, int], None], deadline: float | None,
+              window: int | None = None) -> Call:
+        """``call`` with its replies left to ``Call.finish``."""
+        begun = self._begin(op, rkeys, cmds, read, deadline, window, at_once=False)
+        assert begun is not None  # only a call begun at once gives up before sending
+        return begun
+
+    def start(self, op: str, rkeys: list[bytes], cmds: list[Any],
+              read: Callable[[Wire, int], None], deadline: float) -> Call | None:
+        """``call`` begun on a thread that must not wait: the commands sent on a connection
+        already open, their replies left to ``Call.finish`` (on any thread). None, with
+        nothing sent, where beginning could wait or connect: a cluster, a server backing
+        off (its probe may connect), no idle connection, no free call slot."""
+        if self.cluster or self._backoff.active:
+            return None
+        return self._begin(op, rkeys, cmds, read, deadline, None, at_once=True)
+
+    def _begin(self, op: str, rkeys: list[bytes], cmds: list[Any],
+               read: Callable[[Wire, int], None], deadline: float | None,
+               window: int | None, at_once: bool) -> Call | None:
+        begun = Call(self, op, rkeys, cmds, read, deadline, window)
         if self._closed:
-            return answered
+            return begun
         state = self._backoff.allow()  # the server, or a cluster's routing
         if state == "skip":
             self._count(skipped_in_backoff=1)
-            return answered
+            return begun
         if state == "probe":
             self._count(reconnects=1)
+            at_once = False  # a probe is carried through, connect or not
         try:
             self._slots.get_nowait()
         except queue.Empty:
             wait = self.timeout_s if deadline is None else deadline - time.monotonic()
             try:
-                if wait <= 0:
+                if wait <= 0 or at_once:
                     raise queue.Empty
                 self._slots.get(timeout=wait)
             except queue.Empty:
+                if at_once:
+                    return None
                 self._count(busy=1)
                 if state == "probe":
                     self._backoff.failure(probe=True)
-                return answered
-        groups: list[_Group] = []
+                return begun
+        begun.slot = True
         try:
-            try:
-                routes = self._routes(rkeys)
-            except Exception as e:
-                self._failure(op, state, e, self._backoff, self.safe_url)
-                return answered
-            if self.cluster and state == "probe":
-                self._backoff.success()  # the cluster answers again; its nodes decide
-                state = "ok"
-            for pool, idx, backoff, name in routes:
-                g_state = state if backoff is self._backoff else backoff.allow()
-                if g_state == "skip":
-                    self._count(skipped_in_backoff=1)
-                    continue
-                if g_state == "probe" and backoff is not self._backoff:
-                    self._count(reconnects=1)
-                groups.append(_Group(pool, idx, backoff, name, g_state))
+            routes = self._routes(rkeys)
+        except Exception as e:
+            self._failure(op, state, e, self._backoff, self.safe_url)
+            begun.release()
+            return begun
+        if self.cluster and state == "probe":
+            self._backoff.success()  # the cluster answers again; its nodes decide
+            state = "ok"
+        groups = begun.groups
+        for pool, idx, backoff, name in routes:
+            g_state = state if backoff is self._backoff else backoff.allow()
+            if g_state == "skip":
+                self._count(skipped_in_backoff=1)
+                continue
+            if g_state == "probe" and backoff is not self._backoff:
+                self._count(reconnects=1)
+            groups.append(_Group(pool, idx, backoff, name, g_state))
+        if at_once:
             for g in groups:
-                g.attempt(lambda g=g: setattr(g, "held", self._acquire(g.pool)))
-            if deadline is not None and time.monotonic() >= deadline:
-                for g in groups:
-                    g.fail(Timeout("over the time budget while connecting"))
-            for g in groups:
-                if g.held is not None:
-                    g.held.wire.deadline = deadline
-                first = g.idx if window is None else g.idx[:window]
-                g.attempt(lambda g=g, first=first: g.held.wire.send(gather(cmds, first)))
-            for g in groups:
-                g.attempt(lambda g=g: _read_all(g.held.wire, g.idx, cmds, read, window))
-            if deadline is not None and time.monotonic() > deadline:
-                # every reply read (the connection is in sync), but too late to be used
-                for g in groups:
-                    g.late = g.error is None
-                    g.fail(Timeout("replies came after the time budget"))
-        finally:
-            for g in groups:
-                if g.held is not None:
-                    self._release(g.held, g.error is not None and not g.late,
-                                  deadline is not None)
-            self._slots.put(None)
+                g.held = self._acquire(g.pool, connect=False)
+            if any(g.held is None for g in groups):
+                begun.release()
+                return None
         for g in groups:
+            if g.held is None:
+                g.attempt(lambda g=g: setattr(g, "held", self._acquire(g.pool)))
+        if deadline is not None and time.monotonic() >= deadline:
+            for g in groups:
+                g.fail(Timeout("over the time budget while connecting"))
+        for g in groups:
+            if g.held is not None:
+                g.held.wire.deadline = deadline
+            first = g.idx if window is None else g.idx[:window]
+            g.attempt(lambda g=g, first=first: g.held.wire.send(gather(cmds, first)))
+        return begun
+
+    def _settle(self, begun: Call) -> list[bool]:
+        """A call's replies read: counted, and each server's backoff told."""
+        answered = [False] * len(begun.rkeys)
+        for g in begun.groups:
             if g.error is not None:
-                self._failure(op, g.state, g.error, g.backoff, g.name)
+                self._failure(begun.op, g.state, g.error, g.backoff, g.name)
                 continue
             for i in g.idx:
                 answered[i] = True
@@ -274,10 +300,10 @@ class RedisConnections:
                 logger.info("kvconnector redis %s: reachable again", g.name)
         return answered
 
-    def _acquire(self, pool: Any) -> _Held:
+    def _acquire(self, pool: Any, connect: bool = True) -> _Held | None:
         """A connected connection: the last one this store used with ``pool`` if a poll
         shows nothing unread on it (a server that closed it makes it readable), else one
-        from the pool (which connects it)."""
+        from the pool (which connects it), or None where that needs ``connect``."""
         entry = self._idle.get(id(pool))
         while entry and entry[1]:
             try:
@@ -292,6 +318,8 @@ class RedisConnections:
                 return held
             held.conn.disconnect()  # closed by the server (restart, idle timeout)
             pool.release(held.conn)
+        if not connect:
+            return None
         conn = pool.get_connection()
         if connected_to_itself(conn._sock):
             conn.disconnect()
@@ -372,6 +400,70 @@ def _read_all(wire: Wire, idx: Sequence[int], cmds: list[Any],
         read(wire, i)
         if window is not None and j + window < len(idx):
             wire.send(gather(cmds, [idx[j + window]]))
+
+
+class Call:
+    """One call's pipeline, sent, with its replies still to read (``RedisConnections``)."""
+
+    def __init__(self, conns: RedisConnections, op: str, rkeys: list[bytes],
+                 cmds: list[Any], read: Callable[[Wire, int], None], deadline: float | None,
+                 window: int | None) -> None:
+        self.conns, self.op, self.rkeys, self.cmds, self.read = conns, op, rkeys, cmds, read
+        self.deadline, self.window = deadline, window
+        self.groups: list[_Group] = []
+        self.slot = False  # holds one of the call slots
+        self.done = False
+
+    def replied(self, by: float) -> bool:
+        """Whether every server's first reply is here, waiting for it until ``by`` (an
+        EXISTS pipeline's replies, a few bytes each, come in one segment)."""
+        for g in self.groups:
+            if g.error is not None or g.held is None:
+                continue
+            wire = g.held.wire
+            if wire.start < wire.end or (isinstance(wire.sock, ssl.SSLSocket)
+                                         and wire.sock.pending()):
+                continue
+            while True:
+                left = by - time.monotonic()
+                if left <= 0:
+                    return False
+                try:
+                    if g.held.poller.poll(left * 1000):
+                        break
+                except InterruptedError:
+                    continue
+        return True
+
+    def finish(self) -> list[bool]:
+        """Read every reply within the call's deadline; per key, whether its server
+        answered (``RedisConnections.call``)."""
+        assert not self.done, "a call is finished once"
+        self.done = True
+        deadline, groups = self.deadline, self.groups
+        try:
+            for g in groups:
+                g.attempt(lambda g=g: _read_all(g.held.wire, g.idx, self.cmds, self.read,
+                                                self.window))
+            if deadline is not None and time.monotonic() > deadline:
+                # every reply read (the connection is in sync), but too late to be used
+                for g in groups:
+                    g.late = g.error is None
+                    g.fail(Timeout("replies came after the time budget"))
+        finally:
+            self.release()
+        return self.conns._settle(self)
+
+    def release(self) -> None:
+        """Give back the connections and the call slot."""
+        for g in self.groups:
+            if g.held is not None:
+                self.conns._release(g.held, g.error is not None and not g.late,
+                                    self.deadline is not None)
+                g.held = None
+        if self.slot:
+            self.slot = False
+            self.conns._slots.put(None)
 
 
 class _Group:

@@ -30,7 +30,7 @@ import numpy as np
 
 from kvconnector.store import codec, descriptor
 from kvconnector.store.codec import CorruptValue, ExpectedChunk
-from kvconnector.store.redis_connections import RedisConnections
+from kvconnector.store.redis_connections import Call, RedisConnections
 from kvconnector.store.redis_url import checked_url, redact_url
 from kvconnector.store.redis_wire import (
     ReplyError,
@@ -46,6 +46,27 @@ logger = logging.getLogger("kvconnector.store.redis")
 _DESCRIPTOR_KEY = descriptor.descriptor_key("")  # "fp:", a descriptor's key without the hex
 _COALESCE = 16 * 1024  # payloads up to this size are copied into the command buffer
 _WARN_EVERY_S = 10.0
+
+
+class PendingExists:
+    """An EXISTS pipeline sent, its replies still to read (``RedisStore.start_exists``)."""
+
+    def __init__(self, store: RedisStore, call: Call, found: list[bool],
+                 reply_errors: list[str]) -> None:
+        self._store, self._call, self._found, self._errors = store, call, found, reply_errors
+
+    def replied(self, by: float) -> bool:
+        """Whether the replies are here, waiting for them until ``by`` (monotonic)."""
+        return self._call.replied(by)
+
+    def finish(self, count: bool = True) -> list[bool]:
+        """Which keys are stored, as ``exists_many`` answers; counted as one lookup."""
+        answered = self._call.finish()
+        self._store._note_reply_errors(self._errors)
+        found = [f and a for f, a in zip(self._found, answered, strict=True)]
+        if count:
+            self._store._count(lookups=1, lookup_hits=sum(found))
+        return found
 
 
 @dataclass
@@ -170,7 +191,7 @@ class RedisStore:
 
     def exists_prefix(self, keys: Sequence[Any], budget_s: float) -> int:
         """How many leading ``keys`` are stored (asked as ``exists_many`` asks)."""
-        found = self._exists(keys, budget_s) if keys else []
+        found = self._exists(keys, budget_s).finish(count=False) if keys else []
         n = next((i for i, ok in enumerate(found) if not ok), len(found))
         self._count(lookups=1 if keys else 0, lookup_hits=n)
         return n
@@ -178,9 +199,20 @@ class RedisStore:
     def exists_many(self, keys: Sequence[Any], budget_s: float) -> list[bool]:
         """Which ``keys`` are stored: one pipelined EXISTS per key, one round trip, all of
         it within ``budget_s``. Over budget, in backoff or failed: none."""
-        found = self._exists(keys, budget_s) if keys else []
-        self._count(lookups=1 if keys else 0, lookup_hits=sum(found))
-        return found
+        return self._exists(keys, budget_s).finish() if keys else []
+
+    def start_exists(self, keys: Sequence[Any], budget_s: float) -> PendingExists | None:
+        """``exists_many`` begun on a thread that must not wait: the EXISTS pipeline sent
+        on a connection already open, its replies read by ``PendingExists.finish`` (on any
+        thread). None, with nothing sent, where sending could wait (a cluster, a server in
+        backoff, no idle connection: ``RedisConnections.start``)."""
+        assert keys, "a lookup asks for at least one key"
+        return self._begin_exists(keys, budget_s, at_once=True)
+
+    def _exists(self, keys: Sequence[Any], budget_s: float) -> PendingExists:
+        pending = self._begin_exists(keys, budget_s)
+        assert pending is not None  # only a call begun at once gives up before sending
+        return pending
 
     def key_space(self, fingerprint: bytes) -> bytes:  # starts every key of its chunks
         return self.redis_key(f"{fingerprint.hex()}:")
@@ -191,7 +223,8 @@ class RedisStore:
     def mirror_client(self) -> Any:  # the key mirror's own client (a single server)
         return self._connections.new_client()
 
-    def _exists(self, keys: Sequence[Any], budget_s: float) -> list[bool]:
+    def _begin_exists(self, keys: Sequence[Any], budget_s: float,
+                      at_once: bool = False) -> PendingExists | None:
         deadline = time.monotonic() + max(budget_s, 0.0)
         rkeys = [self.redis_key(k) for k in keys]
         found = [False] * len(rkeys)
@@ -204,9 +237,13 @@ class RedisStore:
                 reply_errors.append(str(e))
 
         cmds = [b"*2\r\n$6\r\nEXISTS\r\n" + bulk(k) for k in rkeys]
-        answered = self._connections.call("exists", rkeys, cmds, read, deadline)
-        self._note_reply_errors(reply_errors)
-        return [f and a for f, a in zip(found, answered, strict=True)]
+        if at_once:
+            call = self._connections.start("exists", rkeys, cmds, read, deadline)
+            if call is None:
+                return None
+        else:
+            call = self._connections.begin("exists", rkeys, cmds, read, deadline)
+        return PendingExists(self, call, found, reply_errors)
 
     def put_many(self, items: Sequence[tuple[Any, bytes, Any]]) -> int:
         """Store ``(key, header, payload)`` items, header from ``codec.encode_header``.

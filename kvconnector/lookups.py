@@ -83,6 +83,7 @@ class Lookups:
         if not pending.replied(time.monotonic() + wait_s):
             return self._thread.submit(lambda: interpret(pending.finish()))
         answer: Future[T] = Future()
+        self.redis.count_inline_lookup()
         try:
             answer.set_result(interpret(pending.finish()))
         except Exception as e:

@@ -71,6 +71,8 @@ COUNTERS = (
     Family("redis_reconnects", "Probes that tried Redis again after a backoff."),
     Family("redis_mirror_lookups", "Lookups answered from the Redis key mirror without asking "
            "Redis (redis_key_mirror)."),
+    Family("redis_inline_lookups", "Redis lookups of a request alone in the engine read on the "
+           "scheduler's thread (the reply came within 5 ms), not the lookup thread's."),
     Family("redis_dropped_puts", "Chunks not sent to Redis because the put queue was full."),
     Family("disk_chunks", "Chunk files read (op=get) or written (op=put) by the disk tier.",
            "op"),
@@ -161,7 +163,8 @@ class StoreTap(Tap):
              "hits": "redis_chunks.get", "get_bytes": "redis_bytes.get",
              "errors": "redis_errors.error", "timeouts": "redis_errors.timeout",
              "busy": "redis_errors.busy", "backoffs": "redis_backoffs",
-             "reconnects": "redis_reconnects", "mirror_lookups": "redis_mirror_lookups"}
+             "reconnects": "redis_reconnects", "mirror_lookups": "redis_mirror_lookups",
+             "inline_lookups": "redis_inline_lookups"}
     CORRUPT = ("corrupt_reasons", "corrupt_values")
 
     def counts(self, source: RedisStore | RedisTier | None) -> dict[str, float]:

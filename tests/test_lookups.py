@@ -66,6 +66,7 @@ def test_a_lone_question_is_answered_in_the_call_that_asks_it(redis_server):
         after = store.snapshot()
         assert (after["lookups"], after["lookup_hits"]) == (before["lookups"] + 1,
                                                             before["lookup_hits"] + 2)
+        assert after["inline_lookups"] == before["inline_lookups"] + 1
         # the same question again is the answer at hand, not another round trip
         assert lookups.answer(asked, "q", KEYS, interpret, 0, wait_s=1.0) == (asked, 2)
         assert store.snapshot()["lookups"] == after["lookups"]
@@ -114,6 +115,7 @@ def test_a_frozen_redis_holds_the_asking_call_only_for_its_wait(redis_server):
         assert interpret.threads and interpret.threads[0].startswith("kvconnector-lookup")
         stats = store.snapshot()
         assert (stats["timeouts"], stats["backoffs"], stats["errors"]) == (0, 0, 0)
+        assert stats["inline_lookups"] == 0 and stats["lookups"] == 2
     finally:
         lookups.shutdown()
         store.close()

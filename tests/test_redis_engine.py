@@ -46,9 +46,16 @@ def test_second_engine_serves_first_engines_chunks(tiny_model, tmp_path_factory,
     second = run_engine(tmp_path_factory.mktemp("redis-b"), {
         "model": tiny_model, "connector": over_unix, "log_stats": True, "steps": [
             {"op": "generate", "prompts": [P1]}, {"op": "totals"},
-            {"op": "cached_by_source"}]})
+            {"op": "cached_by_source"},
+            {"op": "generate", "prompts": [P2]}, {"op": "generate", "prompts": [P3]},
+            {"op": "generate", "prompts": [P4]}, {"op": "scheduler_redis_stats"}]})
     out, totals = second[0][0], second[1]
     assert second[2] == {"external_unspecified": P1_HIT}  # vLLM's label for a remote store
+    # P1, the first, opened the scheduler's connection on the lookup thread; P2-P4, each
+    # alone in the engine, were asked on the scheduler's thread (unless a reply took over
+    # 5 ms on a loaded machine each time) and computed as vLLM alone computes them
+    assert [second[i][0]["tokens"] for i in (3, 4, 5)] == baseline[1:]
+    assert second[6]["lookups"] == 4 and second[6]["inline_lookups"] >= 1, second[6]
     assert out["cached"] == P1_HIT  # the partial chunk is in Redis too
     assert totals["redis_loaded_chunks"] == 3 and totals["load_errors"] == 0
     # the hit's breakdown (issue 24): the fetch, the copy into vLLM's blocks, and how long

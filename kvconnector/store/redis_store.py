@@ -73,7 +73,8 @@ class PendingExists:
 class RedisStoreStats:
     """Counters since the store was made. ``puts``/``put_failed``, ``gets``, ``hits`` and
     ``misses`` count chunks, ``put_bytes``/``get_bytes`` their payload bytes; ``lookups``
-    counts ``exists_prefix`` calls (``mirror_lookups`` of them the key mirror answered) and
+    counts ``exists_prefix`` calls (``mirror_lookups`` of them the key mirror answered,
+    ``inline_lookups`` read on the asking thread: ``kvconnector/lookups.py``) and
     ``lookup_hits`` the chunks they found. ``errors``, ``timeouts``, ``busy`` (no free
     connection in time) and ``skipped_in_backoff`` count calls (``errors`` also counts
     error replies); ``backoffs`` how often the store entered backoff and ``reconnects``
@@ -98,6 +99,7 @@ class RedisStoreStats:
     reconnects: int = 0
     skipped_in_backoff: int = 0
     mirror_lookups: int = 0
+    inline_lookups: int = 0
 
 
 class RedisStore:
@@ -219,6 +221,9 @@ class RedisStore:
 
     def count_lookup(self, hits: int) -> None:  # one the key mirror answered
         self._count(lookups=1, lookup_hits=hits, mirror_lookups=1)
+
+    def count_inline_lookup(self) -> None:  # one read on the thread that asked it
+        self._count(inline_lookups=1)
 
     def mirror_client(self) -> Any:  # the key mirror's own client (a single server)
         return self._connections.new_client()

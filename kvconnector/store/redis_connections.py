@@ -24,7 +24,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -32,6 +31,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvconnector.store.redis_backoff import Backoff
+from kvconnector.store.redis_call import Call, Group, Held
 from kvconnector.store.redis_wire import Timeout, Wire, gather
 
 logger = logging.getLogger("kvconnector.store.redis")
@@ -56,18 +56,6 @@ def connected_to_itself(sock: socket.socket | None) -> bool:
         return sock.getsockname() == sock.getpeername()
     except OSError:
         return False
-
-
-@dataclass
-class _Held:
-    """A connection this store holds between calls, with its poller and read buffer."""
-
-    __slots__ = ("pool", "conn", "poller", "wire", "used")
-    pool: Any
-    conn: Any
-    poller: Any
-    wire: Wire
-    used: float
 
 
 class RedisConnections:
@@ -98,7 +86,7 @@ class RedisConnections:
         self._closed = False
         # Connections held between calls, per pool: reused without the pool's
         # per-checkout checks (tens of microseconds, a good part of a 64 KiB GET).
-        self._idle: dict[int, tuple[Any, list[_Held]]] = {}
+        self._idle: dict[int, tuple[Any, list[Held]]] = {}
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: (s := ref()) is not None and s._forget_idle())
         self._conn_kwargs: dict[str, Any] = dict(
@@ -264,7 +252,7 @@ class RedisConnections:
                 continue
             if g_state == "probe" and backoff is not self._backoff:
                 self._count(reconnects=1)
-            groups.append(_Group(pool, idx, backoff, name, g_state))
+            groups.append(Group(pool, idx, backoff, name, g_state))
         if at_once:
             for g in groups:
                 g.held = self._acquire(g.pool, connect=False)
@@ -300,7 +288,7 @@ class RedisConnections:
                 logger.info("kvconnector redis %s: reachable again", g.name)
         return answered
 
-    def _acquire(self, pool: Any, connect: bool = True) -> _Held | None:
+    def _acquire(self, pool: Any, connect: bool = True) -> Held | None:
         """A connected connection: the last one this store used with ``pool`` if a poll
         shows nothing unread on it (a server that closed it makes it readable), else one
         from the pool (which connects it), or None where that needs ``connect``."""
@@ -327,9 +315,9 @@ class RedisConnections:
             raise redis.ConnectionError("no server: the connection reached its own port")
         poller = select.poll()
         poller.register(conn._sock, select.POLLIN)
-        return _Held(pool, conn, poller, Wire(conn._sock, None), 0.0)
+        return Held(pool, conn, poller, Wire(conn._sock, None), 0.0)
 
-    def _release(self, held: _Held, failed: bool, restore_timeout: bool) -> None:
+    def _release(self, held: Held, failed: bool, restore_timeout: bool) -> None:
         conn = held.conn
         try:
             if failed or conn._sock is None:
@@ -390,100 +378,3 @@ class RedisConnections:
         log = logger.warning if state == "ok" else logger.debug
         log("kvconnector redis %s: %s failed (%s: %s); misses for %.2fs", where, op,
             type(e).__name__, e, delay)
-
-
-def _read_all(wire: Wire, idx: Sequence[int], cmds: list[Any],
-              read: Callable[[Wire, int], None], window: int | None) -> None:
-    """Read the replies to ``idx``, the first ``window`` of which were sent (all without
-    a window), sending the next command as each reply is read."""
-    for j, i in enumerate(idx):
-        read(wire, i)
-        if window is not None and j + window < len(idx):
-            wire.send(gather(cmds, [idx[j + window]]))
-
-
-class Call:
-    """One call's pipeline, sent, with its replies still to read (``RedisConnections``)."""
-
-    def __init__(self, conns: RedisConnections, op: str, rkeys: list[bytes],
-                 cmds: list[Any], read: Callable[[Wire, int], None], deadline: float | None,
-                 window: int | None) -> None:
-        self.conns, self.op, self.rkeys, self.cmds, self.read = conns, op, rkeys, cmds, read
-        self.deadline, self.window = deadline, window
-        self.groups: list[_Group] = []
-        self.slot = False  # holds one of the call slots
-        self.done = False
-
-    def replied(self, by: float) -> bool:
-        """Whether every server's first reply is here, waiting for it until ``by`` (an
-        EXISTS pipeline's replies, a few bytes each, come in one segment)."""
-        for g in self.groups:
-            if g.error is not None or g.held is None:
-                continue
-            wire = g.held.wire
-            if wire.start < wire.end or (isinstance(wire.sock, ssl.SSLSocket)
-                                         and wire.sock.pending()):
-                continue
-            while True:
-                left = by - time.monotonic()
-                if left <= 0:
-                    return False
-                try:
-                    if g.held.poller.poll(left * 1000):
-                        break
-                except InterruptedError:
-                    continue
-        return True
-
-    def finish(self) -> list[bool]:
-        """Read every reply within the call's deadline; per key, whether its server
-        answered (``RedisConnections.call``)."""
-        assert not self.done, "a call is finished once"
-        self.done = True
-        deadline, groups = self.deadline, self.groups
-        try:
-            for g in groups:
-                g.attempt(lambda g=g: _read_all(g.held.wire, g.idx, self.cmds, self.read,
-                                                self.window))
-            if deadline is not None and time.monotonic() > deadline:
-                # every reply read (the connection is in sync), but too late to be used
-                for g in groups:
-                    g.late = g.error is None
-                    g.fail(Timeout("replies came after the time budget"))
-        finally:
-            self.release()
-        return self.conns._settle(self)
-
-    def release(self) -> None:
-        """Give back the connections and the call slot."""
-        for g in self.groups:
-            if g.held is not None:
-                self.conns._release(g.held, g.error is not None and not g.late,
-                                    self.deadline is not None)
-                g.held = None
-        if self.slot:
-            self.slot = False
-            self.conns._slots.put(None)
-
-
-class _Group:
-    """The keys of one call that live on one server, and how their part went."""
-
-    def __init__(self, pool: Any, idx: Sequence[int], backoff: Backoff, name: str,
-                 state: str) -> None:
-        self.pool, self.idx, self.backoff, self.name, self.state = (
-            pool, idx, backoff, name, state)
-        self.held: _Held | None = None
-        self.error: BaseException | None = None
-        self.late = False  # all replies read, after the deadline: the connection is fine
-
-    def attempt(self, step: Callable[[], Any]) -> None:
-        if self.error is None:
-            try:
-                step()
-            except Exception as e:
-                self.error = e
-
-    def fail(self, error: BaseException) -> None:
-        if self.error is None:
-            self.error = error

@@ -6,7 +6,8 @@ One Redis key per chunk, ``f"{key_prefix}:{chunk key}"``; the value is the forma
 ``RedisStore`` is the store's interface (lookups, puts, gets, counters). Beneath it:
 ``redis_url`` (the URL schemes taken, and how a URL is logged without its secrets),
 ``redis_connections`` (connections, one pipeline and one round trip per call, faults and
-their backoff, ``redis_backoff``) and ``redis_wire`` (RESP written and read by hand on the
+their backoff, ``redis_backoff``; a call itself in ``redis_call``), ``redis_stats`` (the
+counters) and ``redis_wire`` (RESP written and read by hand on the
 socket, so that large payloads are not copied).
 
 Faults cost misses, never exceptions. A connection error (and a timeout of a put or a get,
@@ -23,14 +24,16 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
 from kvconnector.store import codec, descriptor
 from kvconnector.store.codec import CorruptValue, ExpectedChunk
-from kvconnector.store.redis_connections import Call, RedisConnections
+from kvconnector.store.redis_call import PendingExists
+from kvconnector.store.redis_connections import RedisConnections
+from kvconnector.store.redis_stats import RedisStoreStats
 from kvconnector.store.redis_url import checked_url, redact_url
 from kvconnector.store.redis_wire import (
     ReplyError,
@@ -46,60 +49,6 @@ logger = logging.getLogger("kvconnector.store.redis")
 _DESCRIPTOR_KEY = descriptor.descriptor_key("")  # "fp:", a descriptor's key without the hex
 _COALESCE = 16 * 1024  # payloads up to this size are copied into the command buffer
 _WARN_EVERY_S = 10.0
-
-
-class PendingExists:
-    """An EXISTS pipeline sent, its replies still to read (``RedisStore.start_exists``)."""
-
-    def __init__(self, store: RedisStore, call: Call, found: list[bool],
-                 reply_errors: list[str]) -> None:
-        self._store, self._call, self._found, self._errors = store, call, found, reply_errors
-
-    def replied(self, by: float) -> bool:
-        """Whether the replies are here, waiting for them until ``by`` (monotonic)."""
-        return self._call.replied(by)
-
-    def finish(self, count: bool = True) -> list[bool]:
-        """Which keys are stored, as ``exists_many`` answers; counted as one lookup."""
-        answered = self._call.finish()
-        self._store._note_reply_errors(self._errors)
-        found = [f and a for f, a in zip(self._found, answered, strict=True)]
-        if count:
-            self._store._count(lookups=1, lookup_hits=sum(found))
-        return found
-
-
-@dataclass
-class RedisStoreStats:
-    """Counters since the store was made. ``puts``/``put_failed``, ``gets``, ``hits`` and
-    ``misses`` count chunks, ``put_bytes``/``get_bytes`` their payload bytes; ``lookups``
-    counts ``exists_prefix`` calls (``mirror_lookups`` of them the key mirror answered,
-    ``inline_lookups`` read on the asking thread: ``kvconnector/lookups.py``) and
-    ``lookup_hits`` the chunks they found. ``errors``, ``timeouts``, ``busy`` (no free
-    connection in time) and ``skipped_in_backoff`` count calls (``errors`` also counts
-    error replies); ``backoffs`` how often the store entered backoff and ``reconnects``
-    the probes that tried Redis again after one."""
-
-    puts: int = 0
-    put_bytes: int = 0
-    put_failed: int = 0
-    gets: int = 0
-    get_bytes: int = 0
-    hits: int = 0
-    misses: int = 0
-    lookups: int = 0
-    lookup_hits: int = 0
-    corrupt: int = 0
-    corrupt_deleted: int = 0
-    corrupt_reasons: dict[str, int] = field(default_factory=dict)
-    errors: int = 0
-    timeouts: int = 0
-    busy: int = 0
-    backoffs: int = 0
-    reconnects: int = 0
-    skipped_in_backoff: int = 0
-    mirror_lookups: int = 0
-    inline_lookups: int = 0
 
 
 class RedisStore:

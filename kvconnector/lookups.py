@@ -81,11 +81,13 @@ class Lookups:
             return self._thread.submit(
                 lambda: interpret(self.redis.exists_many(keys, self.budget_s)))
         if not pending.replied(time.monotonic() + wait_s):
-            return self._thread.submit(lambda: interpret(pending.finish()))
+            finish = pending.handed_over()  # a busy thread does not make the reply late
+            return self._thread.submit(lambda: interpret(finish()))
         answer: Future[T] = Future()
-        self.redis.count_inline_lookup()
         try:
-            answer.set_result(interpret(pending.finish()))
+            found = pending.finish()
+            self.redis.count_inline_lookup()
+            answer.set_result(interpret(found))
         except Exception as e:
             answer.set_exception(e)
         return answer

@@ -62,10 +62,17 @@ def _drain(llm) -> dict:
 
 
 def _totals(llm) -> dict:
-    if llm.llm_engine.engine_core.engine_core.scheduler.connector is None:
+    """The workers' counters, and the scheduler's Redis lookups' as ``lookup_*``."""
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    if connector is None:
         return {}
     per_rank = llm.collective_rpc(_worker_totals)
-    return {k: sum(r[k] for r in per_rank) for k in per_rank[0]}
+    out = {k: sum(r[k] for r in per_rank) for k in per_rank[0]}
+    redis = connector.scheduler.redis
+    if redis is not None:
+        out.update({f"lookup_{k}": v for k, v in redis.snapshot().items()
+                    if isinstance(v, int)})
+    return out
 
 
 _DAMAGED: set[str | bytes] = set()  # files and Redis keys

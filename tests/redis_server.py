@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import redis
@@ -380,13 +380,16 @@ class LatencyProxy:
     it arrived (a network round trip of about ``delay_s``, not a per-chunk toll), so the
     time of a call tells how many round trips it made. ``bytes_per_s``: the client's bytes
     are also read no faster than that (a slow link; a large write can then outlast the
-    client's socket timeout)."""
+    client's socket timeout). ``reply_stall_s``, settable at any time: each server->client
+    chunk has its first byte delivered at once and the rest that much later (a server that
+    stalls in the middle of a reply)."""
 
     def __init__(self, target_port: int, delay_s: float,
                  bytes_per_s: float | None = None) -> None:
         self.target_port = target_port
         self.delay_s = delay_s
         self.bytes_per_s = bytes_per_s
+        self.reply_stall_s = 0.0
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind(("127.0.0.1", 0))
@@ -412,12 +415,14 @@ class LatencyProxy:
             self._socks += [client, upstream]
             threading.Thread(target=self._pump, daemon=True,
                              args=(client, upstream, self.delay_s, self.bytes_per_s)).start()
-            threading.Thread(target=self._pump, args=(upstream, client, 0.0),
+            threading.Thread(target=self._pump, args=(upstream, client, 0.0, None,
+                                                      lambda: self.reply_stall_s),
                              daemon=True).start()
 
     @staticmethod
     def _pump(src: socket.socket, dst: socket.socket, delay_s: float,
-              bytes_per_s: float | None = None) -> None:
+              bytes_per_s: float | None = None,
+              stall_s: Callable[[], float] = lambda: 0.0) -> None:
         chunks: queue.Queue = queue.Queue()
 
         def deliver() -> None:
@@ -444,7 +449,12 @@ class LatencyProxy:
                 data = src.recv(1 << 20 if bytes_per_s is None else 1 << 16)
             except OSError:
                 data = b""
-            chunks.put((time.monotonic() + delay_s, data or None))
+            now, stall = time.monotonic(), stall_s()
+            if stall > 0 and len(data) > 1:
+                chunks.put((now + delay_s, data[:1]))
+                data = data[1:]
+                now += stall
+            chunks.put((now + delay_s, data or None))
             if not data:
                 break
             if bytes_per_s is not None:

@@ -73,6 +73,10 @@ def test_random_workloads_match_vllm_alone(tiny_model, tmp_path, shared_redis, s
     problems = differential.run(tiny_model, tmp_path, w)
     assert not problems, "\n".join(problems)
     assert differential.cached_tokens(tmp_path) > 0  # the workload did hit the caches
+    if any("redis_url" in e["connector"] and not e["connector"].get("redis_key_mirror")
+           for e in w.engines):
+        # lone requests' lookups were read on the scheduler's thread, among the others
+        assert differential.total(tmp_path, "lookup_inline_lookups") > 0
 
 
 @pytest.fixture(scope="module")

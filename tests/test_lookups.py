@@ -174,3 +174,61 @@ def test_a_cluster_is_not_asked_inline():
             assert store.start_exists(KEYS, 1.0) is None
         finally:
             store.close()
+
+
+def test_a_reply_stalled_midway_holds_the_asking_call_only_for_its_wait():
+    """Redis sends the first byte of its replies and stalls: the asking call waits for the
+    whole replies, not for their first bytes, and then only for its wait."""
+    with RedisServer() as srv, LatencyProxy(srv.port, 0.0) as proxy:
+        with srv.client() as c:
+            c.set(RedisStore.from_url(srv.url).redis_key(KEYS[0]), b"v")
+        store, lookups = lookups_of(proxy.url, budget_s=5.0)
+        interpret = Interpret()
+        try:
+            assert store.exists_many(KEYS[:1], 2.0) == [True]  # a connection to reuse
+            proxy.reply_stall_s = 0.5
+            start = time.monotonic()
+            asked, answer = lookups.answer(None, "q", KEYS, interpret, 0, wait_s=0.02)
+            held = time.monotonic() - start
+            assert answer is None and asked is not None
+            assert held < 0.3, f"the asking call waited {held:.3f} s for a stalled reply"
+            lookups.wait(5.0)
+            assert lookups.answer(asked, "q", KEYS, interpret, 0)[1] == 1
+            assert interpret.threads[0].startswith("kvconnector-lookup")
+            stats = store.snapshot()
+            assert (stats["timeouts"], stats["errors"], stats["inline_lookups"]) == (0, 0, 0)
+        finally:
+            lookups.shutdown()
+            store.close()
+
+
+def test_a_reply_handed_to_a_busy_lookup_thread_is_not_late_for_its_wait_there(redis_server):
+    """The lookup thread is busy past the budget when a lone request's reply is handed to
+    it: the reply, in time, is its answer, and no timeout is counted against Redis."""
+    store, lookups = lookups_of(redis_server.url, budget_s=0.3)
+    busy = threading.Event()
+
+    def slow(found: list[bool]) -> int:
+        busy.set()
+        time.sleep(0.6)  # the thread busy twice the budget
+        return len(found)
+
+    interpret = Interpret()
+    try:
+        assert store.exists_many(KEYS[:1], 2.0) == [True]
+        lookups.answer(None, "q1", KEYS[:1], slow, 0)
+        assert busy.wait(5.0)  # q1's reply read, its connection free again
+        redis_server.freeze()
+        try:
+            asked, answer = lookups.answer(None, "q2", KEYS, interpret, 0, wait_s=0.01)
+            assert answer is None and asked is not None
+            time.sleep(0.05)
+        finally:
+            redis_server.thaw()
+        lookups.wait(5.0)
+        assert lookups.answer(asked, "q2", KEYS, interpret, 0)[1] == 2
+        stats = store.snapshot()
+        assert (stats["timeouts"], stats["errors"]) == (0, 0), stats
+    finally:
+        lookups.shutdown()
+        store.close()

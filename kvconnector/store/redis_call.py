@@ -69,25 +69,43 @@ class Call:
         self.done = False
 
     def replied(self, by: float) -> bool:
-        """Whether every server's first reply is here, waiting for it until ``by`` (an
-        EXISTS pipeline's replies, a few bytes each, come in one segment)."""
+        """Whether every reply is here, each a single line (an EXISTS pipeline's), waiting
+        for them until ``by``. A server that sends part of its replies and stalls holds
+        this wait, not the call's whole budget."""
         for g in self.groups:
             if g.error is not None or g.held is None:
                 continue
             wire = g.held.wire
-            if wire.start < wire.end or (isinstance(wire.sock, ssl.SSLSocket)
-                                         and wire.sock.pending()):
-                continue
-            while True:
-                left = by - time.monotonic()
-                if left <= 0:
-                    return False
+            while not wire.has_lines(len(g.idx)):
+                if not (isinstance(wire.sock, ssl.SSLSocket) and wire.sock.pending()):
+                    left = by - time.monotonic()
+                    if left <= 0:
+                        return False
+                    try:
+                        if not g.held.poller.poll(left * 1000):
+                            continue
+                    except InterruptedError:
+                        continue
                 try:
-                    if g.held.poller.poll(left * 1000):
-                        break
-                except InterruptedError:
-                    continue
+                    wire.fill()  # readable: a read that does not wait (TLS: a whole record)
+                except Exception as e:
+                    g.fail(e)  # finish reads no more of it, and counts the fault
+                    break
         return True
+
+    def restart_budget(self) -> Callable[[], None]:
+        """For a call handed to another thread to finish: when called there, the call's
+        deadline is as far away as it is now, so that time spent waiting for that thread
+        does not make the replies late."""
+        left = None if self.deadline is None else self.deadline - time.monotonic()
+
+        def restart() -> None:
+            if left is not None:
+                self.deadline = time.monotonic() + left
+                for g in self.groups:
+                    if g.held is not None:
+                        g.held.wire.deadline = self.deadline
+        return restart
 
     def finish(self) -> list[bool]:
         """Read every reply within the call's deadline; per key, whether its server
@@ -153,6 +171,16 @@ class PendingExists:
     def replied(self, by: float) -> bool:
         """Whether the replies are here, waiting for them until ``by`` (monotonic)."""
         return self._call.replied(by)
+
+    def handed_over(self) -> Callable[[], list[bool]]:
+        """``finish`` for another thread, with the time budget left now, counted from when
+        that thread starts it (``Call.restart_budget``)."""
+        restart = self._call.restart_budget()
+
+        def finish() -> list[bool]:
+            restart()
+            return self.finish()
+        return finish
 
     def finish(self, count: bool = True) -> list[bool]:
         """Which keys are stored, as ``exists_many`` answers; counted as one lookup."""

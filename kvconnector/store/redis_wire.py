@@ -179,6 +179,15 @@ class Wire:
             self.start, self.end = 0, n
         self.end += self._recv_into(self.view[self.end:self.end + self.fill_limit])
 
+    def has_lines(self, n: int) -> bool:
+        """Whether ``n`` whole lines are in the buffer, unread."""
+        return self.buf.count(b"\r\n", self.start, self.end) >= n
+
+    def fill(self) -> None:
+        """One read into the buffer: what the socket has, waiting for it at most until
+        the deadline."""
+        self._fill()
+
     def read_line(self) -> bytes:
         while True:
             i = self.buf.find(b"\r\n", self.start, self.end)

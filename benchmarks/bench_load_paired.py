@@ -32,6 +32,7 @@ from common import (
     ROOT,
     add_model_args,
     connector,
+    connector_counts,
     connector_seconds,
     engine,
     in_fresh_process,
@@ -104,7 +105,8 @@ def run_engine(model: str, args, kvt: dict, seed: int, vocab: int) -> dict:
         llm.generate([{"prompt_token_ids": random_prompt(rng, 16, vocab)}],
                      params("opted out"), use_tqdm=False)
         phases = {k: v - before.get(k, 0.0) for k, v in connector_seconds().items()}
-    if phases.get("copy_thread", 0.0) <= 0.0:
+        saved = connector_counts().get("saved_chunks", 0.0)
+    if saved <= 0.0:
         raise RuntimeError("the rounds that use kvconnector saved nothing: is it attached?")
     return {"rates": rates, "cpu_s": cpu, "phases": phases}
 

@@ -45,6 +45,8 @@ from common import (
     STAGES,
     add_model_args,
     chunk_bytes,
+    connector_counts,
+    connector_seconds,
     engine,
     fill_to_maxmemory,
     in_fresh_process,
@@ -83,6 +85,7 @@ def run_engine(model: str, args, kvt: dict, lengths: list[int], seed: int,
             out[n] = {k: [] for k in KINDS} | {f"{k} stages": [] for k in KINDS}
             for pair in range(args.pairs):
                 for kind in (KINDS if pair % 2 == 0 else KINDS[::-1]):
+                    before = connector_seconds() if args.stages else {}
                     for i in range(args.block):
                         prompt = {"prompt_token_ids": random_prompt(rng, n, vocab)}
                         start = time.monotonic()
@@ -93,6 +96,14 @@ def run_engine(model: str, args, kvt: dict, lengths: list[int], seed: int,
                             out[n][kind].append(end - start)
                             if (split := ttft_stages(outs[0], start, end)) is not None:
                                 out[n][f"{kind} stages"].append(split)
+                    if args.stages:  # a block's timers, about (the last step's come later)
+                        after = connector_seconds()
+                        phases = out[n].setdefault(f"{kind} phases", {})  # type: ignore[arg-type]
+                        for k, v in after.items():
+                            phases[k] = phases.get(k, 0.0) + (v - before.get(k, 0.0)) / (
+                                args.block * args.pairs)
+        if args.stages:
+            out["counters"] = connector_counts()  # type: ignore[index]
     return out
 
 
@@ -174,6 +185,24 @@ def bench(args, disk_path: str | None) -> None:
         for t, per_n in extra.items():
             for n, deltas in per_n.items():
                 print(f"{t:>28} {n:>7} " + " ".join(f"{d * 1000:>+8.3f}" for d in deltas))
+        print("\nthe connector's timers, ms a request (a block's timers over its requests; "
+              "medians over each tier's engines)")
+        for t, engines in runs.items():
+            for n in lengths:
+                for kind in KINDS:
+                    per = [r[n].get(f"{kind} phases", {}) for r in engines]
+                    names = sorted({k for p in per for k, v in p.items() if v > 1e-5})
+                    if names:
+                        print(f"{t:>28} {n:>7} {kind:>11}: " + ", ".join(
+                            f"{k} {statistics.median(p.get(k, 0.0) for p in per) * 1000:.3f}"
+                            for k in names))
+        print("\nRedis lookups read on the scheduler's thread, and Redis timeouts, per engine:")
+        for t, engines in runs.items():
+            counts = [r.get("counters", {}) for r in engines]
+            if any("redis_inline_lookups" in c or "redis_errors.timeout" in c for c in counts):
+                print(f"{t:>28} " + ", ".join(
+                    f"{c.get('redis_inline_lookups', 0):.0f} inline, "
+                    f"{c.get('redis_errors.timeout', 0):.0f} timeouts" for c in counts))
     out = write_results(args.out, "miss_paired", {
         "model": model, "dtype": args.dtype, "lengths": lengths, "block": args.block,
         "pairs": args.pairs, "engines": args.engines, "order": order,

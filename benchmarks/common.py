@@ -317,6 +317,27 @@ def connector_seconds() -> dict[str, float]:
     return out
 
 
+def connector_counts() -> dict[str, float]:
+    """The connector's counters so far, as ``connector_seconds`` reads its timers: per
+    family without ``vllm:kvconnector_`` and ``_total``, a label's value after a dot
+    (``redis_errors.timeout``)."""
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            name = sample.name
+            if not (name.startswith("vllm:kvconnector_") and name.endswith("_total")):
+                continue
+            name = name[len("vllm:kvconnector_"):-len("_total")]
+            if name == "phase_seconds":
+                continue
+            own = [v for k, v in sample.labels.items() if k not in ("model_name", "engine")]
+            key = ".".join([name, *own])
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
 def machine() -> dict:
     import torch
 

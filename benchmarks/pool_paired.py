@@ -73,7 +73,7 @@ def pooled_groups(path: Path) -> dict[tuple[str, int], list[list[float]]]:
     if kind == "miss_paired":
         return {(tier, int(length)): miss_groups(result, tier, length)
                 for tier, engines in result["ttft_s"].items()
-                for length in (engines[0] if engines else {})}
+                for length in (engines[0] if engines else {}) if length.isdigit()}
     if kind == "load_paired":
         return {(f"{tier} (load)", int(result["prompt_tokens"])): load_groups(result, tier)
                 for tier in result["runs"]}

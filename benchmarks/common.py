@@ -38,6 +38,9 @@ def add_model_args(p) -> None:
                         "--model: vLLM's CPU build would otherwise size it from the "
                         "machine's memory and leave none for the connector)")
     p.add_argument("--memory-capacity", default="2GiB", help="kvconnector host memory")
+    p.add_argument("--connector-config", type=json.loads, default={}, metavar="JSON",
+                   help="more kv_connector_extra_config keys for every kvconnector tier "
+                        "(e.g. '{\"inline_save_max_kib\": 0}')")
     p.add_argument("--redis-url", default=None, help="also measure a Redis tier")
     p.add_argument("--redis", action="store_true",
                    help="start a local redis-server (tests/redis_server.py) for the Redis tier")
@@ -183,7 +186,7 @@ def tier_connectors(args, disk_path: str | None,
     memory + Redis (``args.redis_url``; with ``args.key_mirror`` also the same with the
     scheduler's key mirror), memory + a full Redis (with ``args.key_mirror`` also with the
     mirror), memory + disk."""
-    extra = {"memory_capacity": args.memory_capacity}
+    extra = {"memory_capacity": args.memory_capacity, **getattr(args, "connector_config", {})}
     tiers = {"memory": connector(extra)}
     if args.redis_url:
         tiers["memory + Redis"] = connector({**extra, "redis_url": args.redis_url})

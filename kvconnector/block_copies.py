@@ -1,7 +1,8 @@
 """Chunks between vLLM's paged KV blocks and the pool's slots, and what each copy owes the
-ledger. The CPU build moves a step's chunks in one gather or scatter (``PagedCopier``), on
-the copy thread for saves; CUDA queues a DMA per chunk through a staging buffer
-(``HostTransfer``) and seals the slot on the copy thread once it is done."""
+ledger. The CPU build moves a step's chunks in one gather or scatter (``PagedCopier``): a
+step's saves on the copy thread, held for the next forward pass (``placement.py``), unless
+they are small; CUDA queues a DMA per chunk through a staging buffer (``HostTransfer``) and
+seals the slot on the copy thread once it is done."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvconnector.worker")
 
 
+
 def paged_mover(layers: list[torch.Tensor], layout: LayerLayout, chunk_blocks: int,
                 spare_cores: set[int]) -> PagedCopier | HostTransfer:
     """What moves chunks for these KV tensors; ``chunk_blocks``: a chunk's kernel blocks."""
@@ -44,8 +46,16 @@ def copy_stream(mover: PagedCopier | HostTransfer) -> torch.cuda.Stream | None:
 class BlockCopies:
     def __init__(self, mover: PagedCopier | HostTransfer, layers: list[torch.Tensor],
                  block_size: int, kernel_block_size: int, store: WorkerStore, ledger: Ledger,
-                 copies: CopyThread) -> None:
-        """``block_size``: vLLM's, a multiple of the kernel's."""
+                 copies: CopyThread, inline_save_max_bytes: int = 0) -> None:
+        """``block_size``: vLLM's, a multiple of the kernel's. ``inline_save_max_bytes``:
+        a CPU step's saves up to this size are made on the thread that asks (config
+        ``inline_save_max_kib``). The default of 1 MiB, because on 1024-token tiny-model
+        misses (0.5 MiB, a 0.2 ms gather) that took 1.045x the requests that opt out, the
+        copy thread 1.074x; larger saves were as fast or faster on the copy thread: SmolLM2's
+        1k (22 MiB, 3.8 ms on the worker's thread) 1.002x against 1.009x, and under load,
+        where a full step saves 2 MiB of the tiny model, 1.048x against 1.059x
+        (docs/benchmarks.md section 49)."""
+        self.inline_save_max_bytes = inline_save_max_bytes
         self.layers = layers
         self.block_size = block_size
         self._ratio = block_size // kernel_block_size
@@ -111,13 +121,19 @@ class BlockCopies:
 
     # ---- saves ----
     def save(self, transfers: list[ChunkTransfer]) -> None:
-        """Start copying chunks out; the forward pass does not wait.
+        """Start copying chunks out; the forward pass does not wait (a small CPU save is
+        made now: ``inline_save_max_bytes``).
 
         The source blocks stay as they are until the copies are done: running requests own
         them, and a later step that hands them out again lists the request in its
         ``fence``, which the worker waits for before any KV is written.
         """
         if not transfers:
+            return
+        if (self._host_transfer is None
+                and len(transfers) * self.store.pool.chunk_bytes <= self.inline_save_max_bytes):
+            self.copies.wait_for_slots([t.slot for t in transfers])  # a job writing one
+            self._save_chunks(transfers)
             return
         if self._host_transfer is None:
             self.copies.submit(lambda ts=transfers: self._save_chunks(ts),
@@ -138,7 +154,7 @@ class BlockCopies:
                                [t.req_id], [t.slot])
 
     def _save_chunks(self, transfers: list[ChunkTransfer]) -> None:
-        """All of a step's saves in one pass (the copy thread, CPU)."""
+        """All of a step's saves in one pass (CPU)."""
         assert self.copier is not None
         start = time.perf_counter()
         try:

@@ -93,6 +93,12 @@ class ConnectorConfig:
         "arriving in that step waits as long); 0: always wait a step. Default: 256 where "
         "Redis loads go layer by layer beside the forward (CPU build, load_by_layer), else "
         "64.", lo=0, optional=True)
+    inline_save_max_kib: int = setting(
+        1024, "int", "CPU build: a step's saves of at most this many KiB are copied into the "
+        "memory tier on the worker's thread right after the forward pass (a small copy costs "
+        "less there than handed to the copy thread); larger ones run on the copy thread, "
+        "held for the next forward pass, on a core vLLM left spare. 0: every save on the "
+        "copy thread.", lo=0)
     load_by_layer: bool | str = setting(
         "auto", "choice", "CPU build: a step's load from Redis (or a big one from memory) is "
         "read and copied a few layers at a time on a spare core while the forward runs, each "

@@ -119,7 +119,8 @@ class WorkerHalf:
         self.store = WorkerStore(self.pool, tiers, self.fingerprint, self.tp_rank,
                                  self.ledger, copy_stream(mover))
         self.blocks = BlockCopies(mover, self.layers, self.spec.block_size, kbs, self.store,
-                                  self.ledger, self.copies)
+                                  self.ledger, self.copies,
+                                  self.config.inline_save_max_kib << 10)
         copier = self.blocks.copier
         if copier is not None and self.config.by_layer(len(self.layer_names)):
             self.layer_loads = LayerLoads(self.layer_names, copier, self.store,

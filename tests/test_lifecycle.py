@@ -15,6 +15,7 @@ P1 = prompt(1, 700)  # 2 full chunks and a partial chunk of 1 block
 P2 = prompt(2, 700)
 HIT = 640  # all of a 700-token prompt but its last block (128 tokens on CPU)
 MEM = {"memory_capacity": "64MiB"}
+QUEUED = {**MEM, "inline_save_max_kib": 0}  # every save on the copy thread, behind its gate
 # Scaling the embeddings changes every layer's KV, and this model's output with it.
 SCALE = {"op": "scale_weight", "name": "model.embed_tokens.weight", "factor": 4.0}
 TIMEOUT = 300
@@ -98,7 +99,7 @@ def test_blocks_handed_out_again_wait_for_their_queued_saves(tiny_model, tmp_pat
     blocks): that step must wait for the saves, or they would copy the next prompt's KV and
     seal it under P1's keys."""
     res = run_engine(tmp_path_factory.mktemp("fence"), {
-        "model": tiny_model, "connector": MEM, "kv_cache_bytes": 9 << 17,
+        "model": tiny_model, "connector": QUEUED, "kv_cache_bytes": 9 << 17,
         "max_model_len": 1024, "steps": [
             {"op": "copy_gate", "close": True},  # 0
             {"op": "generate", "prompts": [P1]},  # 1: its saves stay queued
@@ -123,7 +124,7 @@ def test_saves_planned_at_finish_read_the_blocks_before_they_are_reused(tiny_mod
     first = prompt(3, 600)  # 4 full blocks: no partial chunk at the end of the prompt
     answer_tokens = 60  # 659 tokens computed: 5 full blocks, the 5th stored at the finish
     spec = {"model": tiny_model, "kv_cache_bytes": 9 << 17, "max_model_len": 1024}
-    res = run_engine(tmp_path_factory.mktemp("finish-fence"), {**spec, "connector": MEM,
+    res = run_engine(tmp_path_factory.mktemp("finish-fence"), {**spec, "connector": QUEUED,
                                                                 "steps": [
         {"op": "generate", "prompts": [first], "max_tokens": answer_tokens},  # 0
         {"op": "copy_gate", "close": True},  # 1: the finish save will queue behind it

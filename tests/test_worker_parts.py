@@ -196,3 +196,51 @@ def test_only_a_step_that_computes_lets_held_writes_go():
     assert not half.write_gate.is_set()
     half.forward_began(StepPlan(idle=False))
     assert half.write_gate.is_set()
+
+
+@pytest.mark.parametrize("small", [True, False], ids=["small", "large"])
+def test_a_small_cpu_save_is_made_before_it_returns_a_large_one_on_the_copy_thread(small):
+    """On the CPU build a step's saves up to ``inline_save_max_kib`` are gathered and
+    sealed on the thread that asks, before ``save`` returns, while the copy thread is still
+    busy with another slot's job (a fetch); larger ones queue behind that job. Either way
+    the slots hold what the reference gather gives (block_copies.py says why)."""
+    import threading
+
+    from layouts import make_case
+
+    from kvconnector import block_copies
+    from kvconnector.background import CopyThread
+    from kvconnector.kernels import reference
+    from kvconnector.kernels.batched import PagedCopier
+    from kvconnector.layout import describe_layers
+    from kvconnector.metadata import ChunkTransfer
+
+    case = make_case("cpu-pages", num_blocks=12)
+    layout = describe_layers({f"l{i}": t for i, t in enumerate(case.layers)},
+                             **case.describe_kw)
+    kbs = layout.kernel_block_size
+    pool = SlotPool(3, (len(case.layers), *layout.chunk_shape(2)), layout.dtype)
+    ledger, copies, fetching = Ledger(), CopyThread(), threading.Event()
+    store = WorkerStore(pool, [], b"f" * 16, 0, ledger)
+    blocks = block_copies.BlockCopies(PagedCopier(case.layers, layout), case.layers, kbs,
+                                      kbs, store, ledger, copies,
+                                      (2 if small else 1) * pool.chunk_bytes)
+    copies.submit(lambda: fetching.wait(30), ["parked"], [2])  # a fetch into slot 2
+    try:
+        blocks.save([ChunkTransfer("r", 0, h(1), 0, [3, 4]),
+                     ChunkTransfer("r", 1, h(2), 1, [7, -1])])
+        assert copies.busy("r") is not small
+        if not small:
+            with pytest.raises(ChunkCorrupt):
+                store.read(0, h(1))  # queued behind the fetch: not written yet
+            fetching.set()
+            copies.wait_for_requests(["r"])
+        want = torch.zeros(2, *pool.chunk_shape, dtype=layout.dtype)
+        reference.gather(case.layers, layout, torch.tensor([[3, 4], [7, -1]]), want)
+        assert torch.equal(store.read(0, h(1)), want[0])
+        assert torch.equal(store.read(1, h(2)), want[1])  # the -1 block zeroed
+        stats = ledger.take_stats()
+        assert stats is not None and stats.data["saved_chunks"] == 2
+    finally:
+        fetching.set()
+        assert copies.close(5.0)

@@ -50,8 +50,9 @@ class BlockCopies:
         """``block_size``: vLLM's, a multiple of the kernel's. ``inline_save_max_bytes``:
         a CPU step's saves up to this size are made on the thread that asks (config
         ``inline_save_max_kib``). The default of 1 MiB, because on 1024-token tiny-model
-        misses (0.5 MiB, a 0.2 ms gather) that took 1.045x the requests that opt out, the
-        copy thread 1.074x; larger saves were as fast or faster on the copy thread: SmolLM2's
+        misses (0.5 MiB, a 0.2 ms gather) that took 1.046x the requests that opt out, the
+        copy thread 1.068x (pooled over nine and seven runs; the last two pairs the other
+        way); larger saves were as fast or faster on the copy thread: SmolLM2's
         1k (22 MiB, 3.8 ms on the worker's thread) 1.002x against 1.009x, and under load,
         where a full step saves 2 MiB of the tiny model, 1.048x against 1.059x
         (docs/benchmarks.md section 49)."""

@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvconnector.worker")
 
 
-
 def paged_mover(layers: list[torch.Tensor], layout: LayerLayout, chunk_blocks: int,
                 spare_cores: set[int]) -> PagedCopier | HostTransfer:
     """What moves chunks for these KV tensors; ``chunk_blocks``: a chunk's kernel blocks."""

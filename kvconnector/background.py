@@ -99,22 +99,24 @@ class CopyThread:
         with self._lock:
             return req_id in self._by_request
 
+    def uses(self, slots: Iterable[int]) -> bool:
+        """Whether a job not yet done touches any of ``slots``."""
+        with self._lock:
+            return any(s in self._by_slot for s in slots)
+
     def wait_for_slots(self, slots: Iterable[int]) -> None:
+        self.release()
         with self._lock:
             futures = [f for s in slots if (f := self._by_slot.get(s)) is not None]
-        self._wait(futures)
-
-    def wait_for_requests(self, req_ids: Iterable[str]) -> None:
-        with self._lock:
-            futures = [f for r in req_ids for f in self._by_request.get(r, ())]
-        self._wait(futures)
-
-    def _wait(self, futures: list[Future[None]]) -> None:
-        """Held saves go now if one is waited for; nothing waited for, nothing moves."""
-        if futures:
-            self.release()
         for f in futures:
             f.exception()  # waits; failures were logged by _forget
+
+    def wait_for_requests(self, req_ids: Iterable[str]) -> None:
+        self.release()
+        with self._lock:
+            futures = [f for r in req_ids for f in self._by_request.get(r, ())]
+        for f in futures:
+            f.exception()
 
     def drain(self) -> None:
         """Wait for every job submitted so far."""

@@ -130,15 +130,18 @@ class BlockCopies:
         """
         if not transfers:
             return
+        slots = [t.slot for t in transfers]
         if (self._host_transfer is None
-                and len(transfers) * self.store.pool.chunk_bytes <= self.inline_save_max_bytes):
-            self.copies.wait_for_slots([t.slot for t in transfers])  # a job writing one
+                and len(transfers) * self.store.pool.chunk_bytes <= self.inline_save_max_bytes
+                and not self.copies.uses(slots)
+                and not any(self.store.pool.leased(s) for s in slots)):
+            # Nothing else touches the slots: the forward's thread never waits on a fetch
+            # or a Redis put (a hung Redis), which queue the save behind them instead.
             self._save_chunks(transfers)
             return
         if self._host_transfer is None:
             self.copies.submit(lambda ts=transfers: self._save_chunks(ts),
-                               {t.req_id for t in transfers}, [t.slot for t in transfers],
-                               save=True)
+                               {t.req_id for t in transfers}, slots, save=True)
             return
         for t in transfers:  # CUDA: the DMA is queued now, the seal waits for it on the thread
             self.copies.wait_for_slots([t.slot])

@@ -138,18 +138,3 @@ def test_the_thread_runs_on_the_placement_s_cores():
     assert seen == [{mine[-1]}, {mine[-1]}] and os.sched_getaffinity(0) == set(mine)
     assert copies.close(1.0)
 
-
-def test_a_wait_for_nothing_pending_lets_no_held_save_go():
-    """A small CPU save waits for its slots' jobs (none, mostly) on the worker's thread
-    right after the forward pass: that wait must not open the gate of held saves and puts
-    (it opens when a forward pass begins)."""
-    copies, gate = held()
-    ran: list[str] = []
-    copies.submit(lambda: ran.append("save"), ["a"], [1], save=True)
-    copies.wait_for_slots([5])
-    copies.wait_for_requests(["b"])
-    time.sleep(0.1)
-    assert ran == [] and not gate.is_set()
-    copies.wait_for_slots([1])  # the held save's slot: it goes now
-    assert ran == ["save"] and gate.is_set()
-    assert copies.close(1.0)

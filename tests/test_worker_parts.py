@@ -198,13 +198,17 @@ def test_only_a_step_that_computes_lets_held_writes_go():
     assert half.write_gate.is_set()
 
 
-@pytest.mark.parametrize("small", [True, False], ids=["small", "large"])
-def test_a_small_cpu_save_is_made_before_it_returns_a_large_one_on_the_copy_thread(small):
+@pytest.mark.parametrize("case", ["small", "large", "a fetch writes its slot",
+                                  "a put reads its slot"])
+def test_a_small_cpu_save_is_made_before_it_returns_others_on_the_copy_thread(case):
     """On the CPU build a step's saves up to ``inline_save_max_kib`` are gathered and
-    sealed on the thread that asks, before ``save`` returns, while the copy thread is still
-    busy with another slot's job (a fetch); larger ones queue behind that job. Either way
-    the slots hold what the reference gather gives (block_copies.py says why)."""
+    sealed on the thread that asks, before ``save`` returns, while the copy thread is busy
+    with another slot's job (a fetch). Larger ones, and small ones into a slot a fetch is
+    still writing or a Redis put still reads, queue on the copy thread, so that the forward's
+    thread never waits on them (a hung Redis). Either way the slots end up holding what the
+    reference gather gives (block_copies.py says why)."""
     import threading
+    import time
 
     from layouts import make_case
 
@@ -215,28 +219,43 @@ def test_a_small_cpu_save_is_made_before_it_returns_a_large_one_on_the_copy_thre
     from kvconnector.layout import describe_layers
     from kvconnector.metadata import ChunkTransfer
 
-    case = make_case("cpu-pages", num_blocks=12)
-    layout = describe_layers({f"l{i}": t for i, t in enumerate(case.layers)},
-                             **case.describe_kw)
+    kv = make_case("cpu-pages", num_blocks=12)
+    layout = describe_layers({f"l{i}": t for i, t in enumerate(kv.layers)}, **kv.describe_kw)
     kbs = layout.kernel_block_size
-    pool = SlotPool(3, (len(case.layers), *layout.chunk_shape(2)), layout.dtype)
+    pool = SlotPool(3, (len(kv.layers), *layout.chunk_shape(2)), layout.dtype)
     ledger, copies, fetching = Ledger(), CopyThread(), threading.Event()
     store = WorkerStore(pool, [], b"f" * 16, 0, ledger)
-    blocks = block_copies.BlockCopies(PagedCopier(case.layers, layout), case.layers, kbs,
-                                      kbs, store, ledger, copies,
-                                      (2 if small else 1) * pool.chunk_bytes)
-    copies.submit(lambda: fetching.wait(30), ["parked"], [2])  # a fetch into slot 2
+    blocks = block_copies.BlockCopies(PagedCopier(kv.layers, layout), kv.layers, kbs, kbs,
+                                      store, ledger, copies,
+                                      (1 if case == "large" else 2) * pool.chunk_bytes)
+    fetch_slot = 0 if case == "a fetch writes its slot" else 2
+    if case == "a put reads its slot":
+        store.begin_write(0)
+        store.seal(0, h(9))
+        assert pool.lease(0, store.key(h(9))) is not None
+    copies.submit(lambda: fetching.wait(30), ["parked"], [fetch_slot])
+    queued = case != "small"
     try:
-        blocks.save([ChunkTransfer("r", 0, h(1), 0, [3, 4]),
-                     ChunkTransfer("r", 1, h(2), 1, [7, -1])])
-        assert copies.busy("r") is not small
-        if not small:
+        saving = threading.Thread(target=blocks.save, daemon=True, args=(
+            [ChunkTransfer("r", 0, h(1), 0, [3, 4]), ChunkTransfer("r", 1, h(2), 1, [7, -1])],))
+        saving.start()
+        saving.join(10)  # a save that waited on the fetch or the lease would hang here
+        assert not saving.is_alive(), "save waited for another user of its slots"
+        assert copies.busy("r") is queued
+        if queued:
             with pytest.raises(ChunkCorrupt):
                 store.read(0, h(1))  # queued behind the fetch: not written yet
             fetching.set()
-            copies.wait_for_requests(["r"])
+            if case == "a put reads its slot":
+                time.sleep(0.2)
+                assert copies.busy("r")  # waits for the put to end its lease
+                pool.end_lease(0)
+            deadline = time.monotonic() + 10
+            while copies.busy("r"):
+                assert time.monotonic() < deadline, "the queued save never ran"
+                time.sleep(0.01)
         want = torch.zeros(2, *pool.chunk_shape, dtype=layout.dtype)
-        reference.gather(case.layers, layout, torch.tensor([[3, 4], [7, -1]]), want)
+        reference.gather(kv.layers, layout, torch.tensor([[3, 4], [7, -1]]), want)
         assert torch.equal(store.read(0, h(1)), want[0])
         assert torch.equal(store.read(1, h(2)), want[1])  # the -1 block zeroed
         stats = ledger.take_stats()

@@ -249,6 +249,10 @@ class SlotPool:
             self._leases[slot] += 1
             return header
 
+    def leased(self, slot: int) -> bool:
+        """Whether a lease still reads ``slot`` (``begin_write`` would wait for it)."""
+        return bool(self._leases[slot])
+
     def end_lease(self, slot: int) -> None:
         with self._lease_change:
             self._leases[slot] -= 1

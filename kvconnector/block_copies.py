@@ -171,25 +171,34 @@ class BlockCopies:
             for t in transfers:
                 self._save_failed(t)
             return
-        for t in transfers:
-            self._seal(t, None, start)
+        sealed = [t for t in transfers if self._seal(t, None)]
+        self._count_saves(sealed, time.perf_counter() - start)
 
-    def _seal(self, t: ChunkTransfer, copied: torch.cuda.Event | None, start: float) -> None:
-        """Mark the slot as holding ``t``'s chunk. Only values bound for Redis get a checksum:
-        memory slots never leave this process (docs/architecture.md, "Integrity")."""
+    def _seal(self, t: ChunkTransfer, copied: torch.cuda.Event | None,
+              start: float | None = None) -> bool:
+        """Mark the slot as holding ``t``'s chunk, and with ``start`` count the save. Only
+        values bound for Redis get a checksum: memory slots never leave this process
+        (docs/architecture.md, "Integrity")."""
         try:
             if copied is not None:
                 copied.synchronize()
             self.store.seal(t.slot, t.chunk_hash, t.blocks)
         except Exception:
             self._save_failed(t)
+            return False
+        if start is not None:
+            self._count_saves([t], time.perf_counter() - start)
+        return True
+
+    def _count_saves(self, sealed: list[ChunkTransfer], seconds: float) -> None:
+        """Saves made together in ``seconds``, counted at once (one CPU step's: the ledger's
+        lock and counters once a step, not once a chunk)."""
+        if not sealed:
             return
-        n_blocks = sum(b >= 0 for b in t.block_ids)
-        elapsed = time.perf_counter() - start
-        self.ledger.count(saved_chunks=1, saved_tokens=n_blocks * self.block_size,
-                          saved_bytes=self.store.pool.chunk_bytes * n_blocks // len(t.block_ids),
-                          save_seconds=elapsed)
-        self.ledger.observe(chunk_save_seconds=elapsed)
+        per_block = self.store.pool.chunk_bytes // len(sealed[0].block_ids)
+        n_blocks = sum(b >= 0 for t in sealed for b in t.block_ids)
+        self.ledger.saved(len(sealed), n_blocks * self.block_size, n_blocks * per_block,
+                          seconds)
 
     def _save_failed(self, t: ChunkTransfer) -> None:
         logger.exception("kvconnector: saving chunk %s failed", self.store.key(t.chunk_hash))

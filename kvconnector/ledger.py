@@ -50,6 +50,16 @@ class Ledger:
         self.count(**counts)
         self.observe(load_batch_seconds=seconds)
 
+    def saved(self, chunks: int, tokens: int, nbytes: int, seconds: float) -> None:
+        """``chunks`` saved together in ``seconds``: one sample per chunk, each of the
+        whole ``seconds`` (what each of them waited)."""
+        counts = {"saved_chunks": chunks, "saved_tokens": tokens, "saved_bytes": nbytes,
+                  "save_seconds": seconds}
+        with self._lock:
+            self._stats.add(**counts)
+            self.totals.add(**counts)
+            self._stats.observe_many("chunk_save_seconds", [seconds] * chunks)
+
     def observe(self, **seconds: float) -> None:
         with self._lock:
             self._stats.observe(**seconds)

@@ -291,7 +291,8 @@ class SchedulerHalf:
         if new_evictions:
             self.stats.add(evictions=new_evictions)
             self._evictions_reported = self.index.evictions
-        self.stats.add(**self._redis_tap.counts(self.redis))
+        if redis_counts := self._redis_tap.counts(self.redis):
+            self.stats.add(**redis_counts)
         if len(self.index) != self._slots_reported:
             self._slots_reported = len(self.index)
             self.stats.set_gauges(memory_slots_used=len(self.index),

@@ -47,6 +47,9 @@ class TransferStats(KVConnectorStats):
         for name, value in seconds.items():
             self._extend(samples, name, [value])
 
+    def observe_many(self, name: str, values: list[float]) -> None:
+        self._extend(self.data.setdefault(SAMPLES, {}), name, values)
+
     def set_gauges(self, **values: float) -> None:
         self.data.setdefault(GAUGES, {}).update(values)
 

@@ -265,7 +265,8 @@ class WorkerHalf:
                 self.ledger.count(**{f"phase_seconds.{name}":
                                      busy - self._busy_reported.get(name, 0.0)})
                 self._busy_reported[name] = busy
-        self.ledger.count(**self._redis_tap.counts(self.redis_tier))
+        if redis_counts := self._redis_tap.counts(self.redis_tier):
+            self.ledger.count(**redis_counts)
         if self.disk_tier is not None:
             counts, gauges = self._disk_tap.counts(self.disk_tier)
             self.ledger.count(**counts)

@@ -108,7 +108,7 @@ HISTOGRAMS = (
     Family("load_batch_seconds", "Time to check a batch of chunks in the memory tier (one step's "
            "synchronous loads, or one parked request's) and copy them into vLLM's KV cache."),
     Family("chunk_save_seconds", "Time to copy one chunk out of vLLM's KV cache into the memory "
-           "tier and seal it (with a checksum when it goes on to Redis)."),
+           "tier and seal it (on the CPU build, the time of its step's whole copy)."),
     Family("redis_fetch_seconds", "Time to fetch one request's chunks from Redis (one "
            "pipeline) into memory slots."),
     Family("disk_fetch_seconds", "Time to read one request's chunk files from the disk tier "

@@ -101,8 +101,7 @@ class WorkerHalf:
                         for t in self.layers}
             self.config.check_memory_available(*host_memory(), sum(storages.values()))
         redis = open_redis(self.config)
-        self.pool = SlotPool(self.num_slots, shape, self.layout.dtype,
-                             checksums=redis is not None)
+        self.pool = SlotPool(self.num_slots, shape, self.layout.dtype)
         puts = WritePlacement.for_worker(self._spare_cores, self.write_gate,
                                        self.layers[0].is_cuda)
         if self.config.disk_path:

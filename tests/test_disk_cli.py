@@ -29,7 +29,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def fill(root, fp: Fingerprint, n: int, mac_key: bytes | None = None) -> list[ChunkKey]:
-    pool = SlotPool(1, SHAPE, torch.float32, checksums=True)
+    pool = SlotPool(1, SHAPE, torch.float32)
     tier = DiskTier(root, 1 << 30, pool, "kv", fingerprint=fp, mac_key=mac_key)
     keys = []
     for i in range(n):

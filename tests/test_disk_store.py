@@ -57,7 +57,7 @@ def files(root: Path) -> list[Path]:
 
 @pytest.fixture
 def pool() -> SlotPool:
-    return SlotPool(4, SHAPE, torch.float32, checksums=True)
+    return SlotPool(4, SHAPE, torch.float32)
 
 
 @pytest.fixture
@@ -169,7 +169,7 @@ def test_a_damaged_file_is_a_miss_and_is_deleted(tier, pool, tmp_path, damage):
 def test_a_fetch_of_several_reads_them_at_once_each_into_its_own_slot(tmp_path):
     """A hit of several chunks reads its files on several threads; each result stays with
     its slot and a damaged or missing file among them fails only itself."""
-    pool = SlotPool(12, SHAPE, torch.float32, checksums=True)
+    pool = SlotPool(12, SHAPE, torch.float32)
     tier = DiskTier(tmp_path / "kv", 20 * FILE, pool, "kv")
     try:
         stored(tier, pool, {i: float(i * 10) for i in range(1, 7)})
@@ -319,7 +319,7 @@ def test_a_file_size_limit_is_a_full_disk_not_a_crash(tmp_path):
         from tests.test_disk_store import SHAPE, key, stored
         from kvconnector.store.disk_tier import DiskTier
         from kvconnector.store.memory import SlotPool
-        pool = SlotPool(2, SHAPE, torch.float32, checksums=True)
+        pool = SlotPool(2, SHAPE, torch.float32)
         tier = DiskTier({str(tmp_path / "kv")!r}, 1 << 20, pool, "kv")
         assert tier.flush()
         resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
@@ -343,7 +343,7 @@ def test_a_killed_writer_never_leaves_a_bad_file_under_a_final_name(tmp_path):
         from tests.test_disk_store import SHAPE, key, fill
         from kvconnector.store.disk_tier import DiskTier
         from kvconnector.store.memory import SlotPool
-        pool = SlotPool(2, SHAPE, torch.float32, checksums=True)
+        pool = SlotPool(2, SHAPE, torch.float32)
         tier = DiskTier({str(root)!r}, 1 << 30, pool, "kv")
         assert tier.flush()
         print("ready", flush=True)
@@ -445,7 +445,7 @@ def test_a_partial_chunk_stores_only_its_filled_blocks(tmp_path):
     from tests.redis_server import RedisServer
 
     shape = (2, 2, 64, 2, 2)  # [layers, K/V, 64 tokens: 4 blocks of 16, heads, head size]
-    pool = SlotPool(2, shape, torch.float32, checksums=True)
+    pool = SlotPool(2, shape, torch.float32)
     disk = DiskTier(tmp_path / "kv", 1 << 20, pool, "kv", blocks_per_chunk=4)
     pool.begin_write(0).copy_(torch.arange(1024.0).view(shape))
     pool.end_write(0, key(1))

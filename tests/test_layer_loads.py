@@ -71,7 +71,7 @@ class Parts:
         shape = (LAYERS, *layout.chunk_shape(BPC))
         self.redis = RedisStore.from_url(url, key_prefix=prefix, timeout_s=1.0,
                                          mac_key=writer_mac)
-        writer_pool = SlotPool(SLOTS, shape, layout.dtype, checksums=True)
+        writer_pool = SlotPool(SLOTS, shape, layout.dtype)
         writer_tier = RedisTier(self.redis, writer_pool, layout.family, blocks_per_chunk=BPC)
         writer = WorkerStore(writer_pool, [writer_tier], FP, 0, Ledger())
         gen = torch.Generator().manual_seed(5)
@@ -85,7 +85,7 @@ class Parts:
         if reader_url is not None or reader_mac is not None:
             self.redis = RedisStore.from_url(reader_url or url, key_prefix=prefix,
                                              timeout_s=1.0, mac_key=reader_mac)
-        self.pool = SlotPool(SLOTS, shape, layout.dtype, checksums=True)
+        self.pool = SlotPool(SLOTS, shape, layout.dtype)
         self.tier = RedisTier(self.redis, self.pool, layout.family, blocks_per_chunk=BPC)
         self.ledger = Ledger()
         self.store = WorkerStore(self.pool, [self.tier], FP, 0, self.ledger)

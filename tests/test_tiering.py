@@ -131,7 +131,7 @@ def test_redis_puts_a_batch_in_one_pipeline_and_every_chunk_reads_back(server):
     reused before its turn is left out of it, and the others still arrive intact."""
     shape, slots = (2, 2, 16, 2, 8), 8
     redis = RedisStore.from_url(server.url, key_prefix="batch", timeout_s=2.0)
-    pool = SlotPool(slots, shape, torch.float32, checksums=True)
+    pool = SlotPool(slots, shape, torch.float32)
     tier = RedisTier(redis, pool, "chunk")
     release, pipelines = threading.Event(), []
     put_many = redis.put_many
@@ -155,7 +155,7 @@ def test_redis_puts_a_batch_in_one_pipeline_and_every_chunk_reads_back(server):
     release.set()
     assert tier.flush(10)
     assert pipelines == [1, 3]  # chunk 0, then 1, 2 and 4 together
-    reader = SlotPool(slots, shape, torch.float32, checksums=True)
+    reader = SlotPool(slots, shape, torch.float32)
     got = RedisTier(redis, reader, "chunk").fetch([(i, k, 0) for i, k in enumerate(keys)])
     assert got == [True, True, True, False, True]
     for i in (0, 1, 2, 4):
@@ -169,7 +169,7 @@ def test_the_redis_write_thread_runs_on_the_cores_it_is_given(server):
     socket buffers then stay off the forward pass's core."""
     core = max(os.sched_getaffinity(0))
     redis = RedisStore.from_url(server.url, key_prefix="cores", timeout_s=2.0)
-    pool = SlotPool(2, (2, 2, 16, 2, 8), torch.float32, checksums=True)
+    pool = SlotPool(2, (2, 2, 16, 2, 8), torch.float32)
     tier = RedisTier(redis, pool, "chunk", placement=WritePlacement({core}))
     try:
         (thread,) = tier._puts._threads

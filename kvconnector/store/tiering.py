@@ -272,7 +272,7 @@ class RedisTier:
                 if header is None:
                     continue  # the slot was reused before its turn came: nothing to copy
                 leased.append(slot)
-                if header.checksum is not None:  # else it came from Redis: Redis holds it
+                if header.for_redis:  # else it came from Redis or the disk
                     payload, xxh3 = self.bytes.to_send(slot, blocks, header.checksum)
                     items.append((key, encode_header(self.expected(key, blocks), payload,
                                                      xxh3=xxh3, mac_key=self.redis.mac_key),
